@@ -1,0 +1,46 @@
+"""monarch_kernel: a Jupyter kernel that is the single controller of a mesh.
+
+Public API (the shape PyTorch Monarch users know)::
+
+    from monarch_kernel import this_host, spawn_procs, ValueMesh
+
+    procs = this_host().spawn_procs(per_host={"procs": 4})
+    procs.exec("rank * 2")          # ValueMesh of 0, 2, 4, 6
+    procs.stop()
+
+Names are imported lazily so that ``python -m monarch_kernel install`` and
+the worker start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Shape": "mesh", "Point": "mesh", "ValueMesh": "mesh",
+    "ProcMesh": "procmesh", "spawn_procs": "procmesh", "this_host": "procmesh",
+    "HostMesh": "procmesh",
+    "Actor": "actor", "ActorMesh": "actor", "endpoint": "actor", "Future": "actor",
+    "current_rank": "actor", "current_size": "actor",
+    "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
+    "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
+    "SerializationError": "errors", "TransportError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'monarch_kernel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,118 @@
+"""File-descriptor-level capture of a worker's stdout and stderr.
+
+fd 1 and fd 2 are replaced by pipes, so ``print``, C extensions and child
+processes all write into them. A reader thread forwards what arrives as it
+arrives; :meth:`FdCapture.drain` lets the main thread push out everything
+written so far before it sends a reply, so a reply never overtakes the
+output that came before it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import sys
+import threading
+from collections.abc import Callable
+
+__all__ = ["FdCapture"]
+
+CHUNK = 65536
+
+
+class FdCapture:
+    """Capture fds 1 and 2 into pipes.
+
+    Parameters
+    ----------
+    on_output : callable(name: str, data: bytes) -> None
+        Called (from the reader thread, or from :meth:`drain`) with
+        ``"stdout"`` or ``"stderr"`` and the bytes read.
+    """
+
+    def __init__(self, on_output: Callable[[str, bytes], None]) -> None:
+        self._on_output = on_output
+        self._lock = threading.Lock()
+        self.original: dict[int, int] = {}
+        self._read: dict[int, str] = {}
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            sys_stream = sys.stdout if fd == 1 else sys.stderr
+            try:
+                sys_stream.flush()
+            except (AttributeError, ValueError, OSError):
+                pass
+            self.original[fd] = os.dup(fd)
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.dup2(w, fd)
+            os.close(w)
+            self._read[r] = name
+        # Python-level streams write straight through to the captured fds
+        sys.stdout = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace",
+            line_buffering=True, write_through=True,
+        )
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+            line_buffering=True, write_through=True,
+        )
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="monarch-capture", daemon=True)
+        self._thread.start()
+
+    def log_stream(self) -> io.TextIOWrapper:
+        """A text stream on the worker's original stderr (for its own logs)."""
+        return io.TextIOWrapper(
+            io.FileIO(self.original[2], "w", closefd=False), line_buffering=True,
+            write_through=True,
+        )
+
+    def _read_all(self, fds: list[int]) -> None:
+        for r in fds:
+            while True:
+                try:
+                    data = os.read(r, CHUNK)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    break
+                if not data:
+                    break
+                self._on_output(self._read[r], data)
+                if len(data) < CHUNK:
+                    break
+
+    def _loop(self) -> None:
+        fds = list(self._read)
+        while not self._stopping:
+            try:
+                ready, _, _ = select.select([*fds, self._wake_r], [], [], 1.0)
+            except (OSError, ValueError):
+                return
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            ready = [r for r in ready if r in self._read]
+            if ready:
+                with self._lock:
+                    self._read_all(ready)
+
+    def drain(self) -> None:
+        """Forward everything written to fds 1 and 2 so far (call from any thread)."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (ValueError, OSError):
+                pass
+        with self._lock:
+            self._read_all(list(self._read))
+
+    def close(self) -> None:
+        """Restore the original fds; forward what is left."""
+        self.drain()
+        self._stopping = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=2)
+        for fd, orig in self.original.items():
+            os.dup2(orig, fd)

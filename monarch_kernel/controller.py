@@ -1,0 +1,475 @@
+"""The controller: registry, routing, heartbeats and supervision of one mesh.
+
+A :class:`Controller` lives in the kernel process (or in the script that
+drives a mesh). It binds one ZeroMQ ROUTER socket; every worker connects a
+DEALER whose routing identity is ``r<rank>``. Requests carry a message id;
+replies, output and rich display carry that id as their parent and are
+routed to the :class:`Request` that is waiting for them.
+
+One I/O thread owns the ROUTER socket. It forwards outgoing frames that
+other threads queue through an :class:`~monarch_kernel.transport.Outbox`,
+sends heartbeats, and watches the workers: a local worker's exit is seen
+through its process within ~0.1 s, a remote worker's after three missed
+heartbeats. A dead rank fails every request waiting on it with
+:class:`~monarch_kernel.errors.MeshFailure`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from . import protocol
+from .errors import MeshFailure, ProtocolError, RemoteFailure, TransportError
+from .transport import Outbox, bind_router, inproc_pair
+
+log = logging.getLogger("monarch_kernel.controller")
+
+__all__ = ["Controller", "Request", "RankInfo"]
+
+
+@dataclass
+class RankInfo:
+    """What the controller knows about one rank."""
+
+    rank: int
+    host: str = ""
+    pid: int | None = None
+    state: str = "starting"  # starting, idle, busy, dead, stopped
+    exitcode: int | None = None
+    last_heard: float = field(default_factory=time.monotonic)
+    last_lines: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=20)
+    )
+    partial: str = ""
+    messages_in: int = 0
+    messages_out: int = 0
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+    def describe_exit(self) -> str:
+        if self.exitcode is None:
+            return "stopped answering"
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"was killed by {name}"
+        return f"exited with code {self.exitcode}"
+
+
+class Request:
+    """A request sent to some ranks, and everything that comes back for it.
+
+    Attributes
+    ----------
+    id : str
+    ranks : list of int
+    replies : dict of int to (str, Any)
+        Per rank: ``("ok", value)`` or ``("error", failure dict)``.
+    events : queue.Queue
+        ``("stream", rank, name, text)`` and ``("display", rank, content)``
+        tuples, in arrival order, while the request runs.
+    failure : MeshFailure or None
+        Set when a rank died before replying.
+    """
+
+    def __init__(self, id: str, ranks: Iterable[int]) -> None:
+        self.id = id
+        self.ranks = list(ranks)
+        self.replies: dict[int, tuple[str, Any]] = {}
+        self.events: queue.Queue[tuple] = queue.Queue()
+        self.failure: MeshFailure | None = None
+        self._done = threading.Event()
+        self._callbacks: list[Callable[[Request], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every rank answered or failed; True if done."""
+        return self._done.wait(timeout)
+
+    def add_done_callback(self, fn: Callable[[Request], None]) -> None:
+        """Call ``fn(self)`` once done (at once if already done)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a callback must not kill the I/O thread
+                log.exception("a request callback failed")
+
+    def _reply(self, rank: int, status: str, value: Any) -> bool:
+        self.replies[rank] = (status, value)
+        if len(self.replies) >= len(self.ranks):
+            self._finish()
+            return True
+        return False
+
+    def _reply_pending(self, rank: int) -> bool:
+        return rank in self.ranks and rank not in self.replies
+
+    def _fail(self, failure: MeshFailure) -> None:
+        if self.failure is None:
+            self.failure = failure
+        self._finish()
+
+    def failures(self, actor: str | None = None) -> list[RemoteFailure]:
+        """The error replies, as :class:`RemoteFailure` objects."""
+        out = []
+        for rank, (status, v) in sorted(self.replies.items()):
+            if status == "error":
+                out.append(
+                    RemoteFailure(rank, v.get("exc"), v["type"], v["message"], v["traceback"],
+                                  actor)
+                )
+        return out
+
+
+class Controller:
+    """Owns the ROUTER socket of one mesh and routes its messages.
+
+    Parameters
+    ----------
+    bind : str
+        Address to bind (default loopback, ``127.0.0.1``).
+    heartbeat : float
+        Seconds between heartbeats, both ways.
+    on_output : callable(rank, name, text) or None
+        Receives output that belongs to no running request (background
+        actor work). Default: logged.
+    key : bytes or None
+        The mesh key; a fresh random one by default.
+    """
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1",
+        heartbeat: float = 1.0,
+        on_output: Callable[[int, str, str], None] | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        self.key = key or protocol.new_key()
+        self.codec = protocol.Codec(self.key, "ctl")
+        self.heartbeat = heartbeat
+        self.on_output = on_output
+        self.on_event: Callable[[int, Any], None] | None = None
+        self.ctx = zmq.Context()
+        self.router, self.address = bind_router(self.ctx, bind)
+        self.pull, inproc = inproc_pair(self.ctx)
+        self.outbox = Outbox(self.ctx, inproc)
+        self.ranks: dict[int, RankInfo] = {}
+        self.pending: dict[str, Request] = {}
+        self._lock = threading.RLock()
+        self._hello = threading.Condition(self._lock)
+        self._closed = threading.Event()
+        self.poll_exits: Callable[[], dict[int, int]] | None = None  # set by the launcher
+        self.local_ranks: set[int] = set()
+        self.listeners: list[Callable[[str, int, Any], None]] = []
+        self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
+                                        daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- sending
+    def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        for r in ranks:
+            self.outbox.send([f"r{r}".encode(), *frames])
+
+    def request(self, ranks: Iterable[int], type: str, content: Any = None) -> Request:
+        """Send one request to ``ranks`` and return the :class:`Request` to wait on.
+
+        Raises
+        ------
+        MeshFailure
+            If one of the ranks is already dead or stopped.
+        SerializationError
+            If ``content`` cannot be pickled.
+        """
+        ranks = list(ranks)
+        with self._lock:
+            for r in ranks:
+                info = self.ranks.get(r)
+                if info is None:
+                    raise MeshFailure(f"rank {r} is not part of this mesh", rank=r)
+                if info.state in ("dead", "stopped"):
+                    raise self.rank_failure(r)
+        mid = self.codec.new_id()
+        frames = self.codec.encode(type, content, id=mid)
+        req = Request(mid, ranks)
+        with self._lock:
+            self.pending[req.id] = req
+            for r in ranks:
+                self.ranks[r].state = "busy"
+                self.ranks[r].messages_out += 1
+        try:
+            self._send(ranks, frames)
+        except TransportError as e:
+            with self._lock:
+                self.pending.pop(req.id, None)
+            raise MeshFailure(f"cannot reach the mesh: {e}") from e
+        return req
+
+    def notify(self, ranks: Iterable[int], type: str, content: Any = None) -> None:
+        """Send a one-way message (no reply expected) to ``ranks``."""
+        ranks = [r for r in ranks if self.ranks.get(r) and self.ranks[r].state
+                 not in ("dead", "stopped")]
+        if ranks:
+            self._send(ranks, self.codec.encode(type, content))
+
+    # ------------------------------------------------------------- registry
+    def expect(self, ranks: Iterable[int], local: bool = True) -> None:
+        """Register ranks that a launcher is starting."""
+        with self._lock:
+            for r in ranks:
+                self.ranks[r] = RankInfo(r)
+                if local:
+                    self.local_ranks.add(r)
+                else:
+                    self.local_ranks.discard(r)
+
+    def wait_ready(self, ranks: Iterable[int], timeout: float) -> None:
+        """Wait until every rank in ``ranks`` said hello.
+
+        Raises
+        ------
+        MeshFailure
+            If a rank died while starting.
+        TimeoutError
+            If some ranks did not connect within ``timeout`` seconds.
+        """
+        ranks = list(ranks)
+        deadline = time.monotonic() + timeout
+        with self._hello:
+            while True:
+                for r in ranks:
+                    if self.ranks[r].state in ("dead", "stopped"):
+                        raise self.rank_failure(r, starting=True)
+                missing = [r for r in ranks if self.ranks[r].state == "starting"]
+                if not missing:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"ranks {missing} did not connect to the controller at {self.address} "
+                        f"within {timeout:.0f} s; check that workers can reach that address"
+                    )
+                self._hello.wait(min(left, 0.1))
+
+    def rank_failure(self, rank: int, starting: bool = False) -> MeshFailure:
+        """A :class:`MeshFailure` describing why ``rank`` is gone."""
+        info = self.ranks[rank]
+        where = f" on {info.host}" if info.host else ""
+        pid = f" (pid {info.pid})" if info.pid else ""
+        if info.state == "stopped":
+            msg = f"rank {rank}{where}{pid} was stopped"
+        else:
+            msg = f"rank {rank}{where}{pid} {info.describe_exit()}"
+            if starting:
+                msg += " while starting"
+        lines = list(info.last_lines)
+        if info.partial:
+            lines.append(info.partial)
+        if lines:
+            msg += "; its last output:\n" + "\n".join(f"  {ln}" for ln in lines[-10:])
+        return MeshFailure(msg, rank=rank, host=info.host, pid=info.pid,
+                           exitcode=info.exitcode, last_output="\n".join(lines))
+
+    def mark_dead(self, rank: int, exitcode: int | None, state: str = "dead") -> None:
+        """Record that ``rank`` is gone and fail every request waiting on it."""
+        with self._lock:
+            info = self.ranks.get(rank)
+            if info is None or info.state in ("dead", "stopped"):
+                return
+            info.state = state
+            info.exitcode = exitcode
+            failure = self.rank_failure(rank)
+            waiting = [q for q in self.pending.values()
+                       if rank in q.ranks and rank not in q.replies]
+            self._hello.notify_all()
+        for req in waiting:
+            with self._lock:
+                self.pending.pop(req.id, None)
+            req._fail(failure)
+        self._notify_listeners("dead", rank, failure)
+
+    def _notify_listeners(self, kind: str, rank: int, payload: Any) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(kind, rank, payload)
+            except Exception:  # noqa: BLE001
+                log.exception("a controller listener failed")
+
+    # ------------------------------------------------------------ I/O thread
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        last_beat = last_check = time.monotonic()
+        beat = self.codec.encode("heartbeat")
+        try:
+            while not self._closed.is_set():
+                events = dict(poller.poll(50))
+                if self.pull in events:
+                    while True:
+                        try:
+                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            self.router.send_multipart(frames, copy=False)
+                        except zmq.ZMQError as e:  # host unreachable: the rank is gone
+                            log.debug("cannot send to %r: %s", frames[0].bytes, e)
+                if self.router in events:
+                    while True:
+                        try:
+                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._receive(frames)
+                now = time.monotonic()
+                if now - last_check >= 0.05:
+                    last_check = now
+                    self._check_ranks(now)
+                if now - last_beat >= self.heartbeat:
+                    last_beat = now
+                    beat = self.codec.encode("heartbeat")
+                    for r, info in list(self.ranks.items()):
+                        if info.state not in ("dead", "stopped", "starting"):
+                            try:
+                                self.router.send_multipart([f"r{r}".encode(), *beat])
+                            except zmq.ZMQError:
+                                pass
+        except Exception:  # noqa: BLE001
+            log.exception("the controller I/O thread failed")
+        finally:
+            self.router.close(0)
+            self.pull.close(0)
+
+    def _check_ranks(self, now: float) -> None:
+        if self.poll_exits is not None:
+            try:
+                exits = self.poll_exits()
+            except Exception:  # noqa: BLE001
+                log.exception("polling worker processes failed")
+                exits = {}
+            for rank, code in exits.items():
+                self.mark_dead(rank, code)
+        limit = 3 * self.heartbeat + 0.5
+        for r, info in list(self.ranks.items()):
+            if (r not in self.local_ranks and info.state in ("idle", "busy")
+                    and now - info.last_heard > limit):
+                log.warning("rank %d missed 3 heartbeats", r)
+                self.mark_dead(r, None)
+
+    def _receive(self, frames: list[Any]) -> None:
+        try:
+            msg = self.codec.decode(frames, router=True)
+        except ProtocolError as e:
+            log.warning("the controller dropped a message: %s", e)
+            return
+        ident = msg.identity[0] if msg.identity else b""
+        if ident.decode(errors="replace") != msg.sender or not msg.sender.startswith("r"):
+            log.warning("the controller dropped a message whose sender %r does not match "
+                        "its connection %r", msg.sender, ident)
+            return
+        rank = int(msg.sender[1:])
+        info = self.ranks.get(rank)
+        if info is None:
+            log.warning("the controller dropped a message from unknown rank %d", rank)
+            return
+        info.last_heard = time.monotonic()
+        info.messages_in += 1
+        t = msg.type
+        if t == "heartbeat":
+            return
+        if t == "reply":
+            with self._lock:
+                req = self.pending.get(msg.parent or "")
+                if req is not None:
+                    c = msg.content
+                    if req._reply_pending(rank):
+                        if req._reply(rank, c["status"], c["value"]):
+                            self.pending.pop(req.id, None)
+                if info.state == "busy" and not any(
+                    rank in q.ranks and rank not in q.replies for q in self.pending.values()
+                ):
+                    info.state = "idle"
+            return
+        if t == "stream":
+            c = msg.content
+            self._remember_output(info, c["text"])
+            req = self.pending.get(msg.parent or "")
+            if req is not None:
+                req.events.put(("stream", rank, c["name"], c["text"]))
+            elif self.on_output is not None:
+                self.on_output(rank, c["name"], c["text"])
+            else:
+                log.info("[%d] %s", rank, c["text"].rstrip("\n"))
+            return
+        if t == "display":
+            req = self.pending.get(msg.parent or "")
+            if req is not None:
+                req.events.put(("display", rank, msg.content))
+            return
+        if t == "hello":
+            with self._hello:
+                c = msg.content
+                info.host, info.pid = c["host"], c["pid"]
+                if info.state == "starting":
+                    info.state = "idle"
+                self._hello.notify_all()
+            self._notify_listeners("hello", rank, msg.content)
+            return
+        if t == "state":
+            info.telemetry = msg.content
+            self._notify_listeners("state", rank, msg.content)
+            return
+        if t == "event":
+            if self.on_event is not None:
+                self.on_event(rank, msg.content)
+            self._notify_listeners("event", rank, msg.content)
+            return
+
+    @staticmethod
+    def _remember_output(info: RankInfo, text: str) -> None:
+        text = info.partial + text
+        *lines, info.partial = text.split("\n")
+        info.last_lines.extend(lines)
+        if len(info.partial) > 4096:
+            info.partial = info.partial[-4096:]
+
+    # --------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Stop the I/O thread and close every socket (idempotent)."""
+        if self._closed.is_set():
+            return
+        with self._lock:
+            pending = list(self.pending.values())
+            self.pending.clear()
+        for req in pending:
+            req._fail(MeshFailure("the mesh was stopped"))
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self.outbox.close()
+        self.ctx.term()

@@ -1,0 +1,271 @@
+"""The monarch_kernel error tree.
+
+Every failure the controller can report is one of these; lower-layer errors
+(ZeroMQ, pickling, the operating system) are mapped to them with
+``raise ... from`` so the original cause stays attached. The tree follows the
+style of httpx's ``_exceptions.py``::
+
+    MonarchError
+    ├── ProtocolError          a frame that is not a valid, signed message
+    ├── TransportError         a socket could not bind, connect or send
+    ├── MeshError              the mesh cannot do what was asked
+    │   ├── NoMeshError        no mesh has been spawned yet
+    │   ├── RankSpecError      a ``--ranks`` spec names no valid rank
+    │   └── MeshFailure        a rank died, stopped, or stopped answering
+    ├── SerializationError     a value could not be pickled or unpickled
+    └── RemoteError            an exception raised on a rank
+        └── ActorError         an exception raised in an actor endpoint
+
+``RemoteError`` instances built by :func:`remote_exception` are also instances
+of the original exception's type, so ``except ZeroDivisionError`` works on the
+controller (the idea comes from ipyparallel's ``RemoteError`` and
+``CompositeError``; here the type itself is kept as well).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = [
+    "MonarchError",
+    "ProtocolError",
+    "TransportError",
+    "MeshError",
+    "NoMeshError",
+    "RankSpecError",
+    "MeshFailure",
+    "SerializationError",
+    "RemoteError",
+    "ActorError",
+    "RemoteFailure",
+    "remote_exception",
+    "group_failures",
+]
+
+
+class MonarchError(Exception):
+    """Base class of every error raised by monarch_kernel."""
+
+
+class ProtocolError(MonarchError):
+    """A message frame is malformed, unsigned, wrongly signed or replayed."""
+
+
+class TransportError(MonarchError):
+    """A ZeroMQ socket could not bind, connect, send or receive."""
+
+
+class MeshError(MonarchError):
+    """The mesh cannot do what was asked (bad shape, no such rank, ...)."""
+
+
+class NoMeshError(MeshError):
+    """No mesh exists yet; spawn one with ``%mesh spawn N``."""
+
+
+class RankSpecError(MeshError, ValueError):
+    """A rank specification (``0``, ``1,3``, ``0:2``) is invalid for the mesh."""
+
+
+class MeshFailure(MeshError):
+    """A rank died, was stopped, or stopped answering.
+
+    Parameters
+    ----------
+    message : str
+        What happened, naming the rank, host, pid and exit code or signal.
+    rank : int or None
+        The failed rank.
+    host, pid, exitcode : optional
+        Where it ran and how it ended (negative exit code: killed by signal).
+    last_output : str
+        The last lines the rank printed before it failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        host: str | None = None,
+        pid: int | None = None,
+        exitcode: int | None = None,
+        last_output: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.exitcode = exitcode
+        self.last_output = last_output
+
+
+class SerializationError(MonarchError):
+    """A value could not be pickled (to send) or unpickled (on arrival)."""
+
+
+class RemoteError(MonarchError):
+    """An exception raised on one or more ranks.
+
+    Attributes
+    ----------
+    ranks : list of int
+        The ranks that raised it (several when identical failures are grouped).
+    remote_type : str
+        Qualified name of the original exception type.
+    remote_traceback : str
+        The traceback formatted on the rank, with the cell's own source lines.
+    """
+
+    ranks: list[int]
+    remote_type: str
+    remote_traceback: str
+    actor: str | None = None
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        base = self._remote_message()
+        return f"{_ranks_label(getattr(self, 'ranks', []))}: {base}"
+
+    def _remote_message(self) -> str:
+        return getattr(self, "_message", "") or ""
+
+    def _render_traceback_(self) -> list[str]:
+        """Lines IPython shows instead of the local traceback."""
+        head = f"{_ranks_label(self.ranks)}"
+        if self.actor:
+            head += f" (actor {self.actor})"
+        lines = [f"\x1b[1;31m{head} raised {self.remote_type}\x1b[0m"]
+        lines.extend(self.remote_traceback.rstrip("\n").splitlines()
+                     or [f"{self.remote_type}: {self._remote_message()}"])
+        for other in getattr(self, "others", ()):
+            lines.append("")
+            lines.extend(other._render_traceback_())
+        return lines
+
+
+class ActorError(RemoteError):
+    """An exception raised inside an actor endpoint (see :class:`RemoteError`)."""
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if not ranks:
+        return "remote"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + _compact(ranks)
+
+
+def _compact(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0:3,5"`` (half-open ranges, like ``--ranks``)."""
+    out: list[str] = []
+    rs = sorted(ranks)
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}:{rs[j] + 1}")
+        i = j + 1
+    return ",".join(out)
+
+
+_subclass_cache: dict[tuple[type, type], type] = {}
+_subclass_lock = threading.Lock()
+
+
+def _remote_subclass(base: type[RemoteError], exc_type: type[BaseException]) -> type | None:
+    key = (base, exc_type)
+    with _subclass_lock:
+        if key in _subclass_cache:
+            return _subclass_cache[key]
+        try:
+            cls = type(
+                exc_type.__name__,
+                (base, exc_type),
+                {"__module__": exc_type.__module__, "__str__": RemoteError.__str__},
+            )
+        except TypeError:  # layout conflict (e.g. two C-level exception bases)
+            cls = None
+        _subclass_cache[key] = cls
+        return cls
+
+
+class RemoteFailure:
+    """One rank's failure as it arrives on the controller (not an exception).
+
+    Attributes
+    ----------
+    rank : int
+    exc : BaseException or None
+        The original exception, unpickled; None if it could not be.
+    type_name : str
+    message : str
+    traceback : str
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        exc: BaseException | None,
+        type_name: str,
+        message: str,
+        traceback: str,
+        actor: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.exc = exc
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        self.actor = actor
+
+    def key(self) -> tuple[str, str, str]:
+        """What makes two failures "alike" (type, message, traceback)."""
+        return (self.type_name, self.message, self.traceback)
+
+
+def remote_exception(
+    failures: list[RemoteFailure], base: type[RemoteError] = RemoteError
+) -> BaseException:
+    """Build one exception for failures that are alike.
+
+    The result is an instance of ``base`` and, when the original exception
+    could be unpickled, of the original type too.
+
+    Parameters
+    ----------
+    failures : list of RemoteFailure
+        One or more failures with the same :meth:`RemoteFailure.key`.
+    base : type
+        :class:`RemoteError` or :class:`ActorError`.
+    """
+    first = failures[0]
+    ranks = sorted(f.rank for f in failures)
+    original = first.exc
+    err: Any = None
+    if original is not None and not isinstance(original, RemoteError):
+        cls = _remote_subclass(base, type(original))
+        if cls is not None:
+            err = cls.__new__(cls)
+            err.args = original.args
+            try:
+                err.__dict__.update(getattr(original, "__dict__", {}))
+            except (AttributeError, TypeError):
+                pass
+    if err is None:
+        err = base.__new__(base)
+        err.args = (first.message,)
+    err._message = first.message
+    err.ranks = ranks
+    err.remote_type = first.type_name
+    err.remote_traceback = first.traceback
+    err.actor = first.actor
+    return err
+
+
+def group_failures(failures: list[RemoteFailure]) -> list[list[RemoteFailure]]:
+    """Group failures that are alike, keeping rank order within groups."""
+    groups: dict[tuple[str, str, str], list[RemoteFailure]] = {}
+    for f in sorted(failures, key=lambda f: f.rank):
+        groups.setdefault(f.key(), []).append(f)
+    return list(groups.values())

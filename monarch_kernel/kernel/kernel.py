@@ -1,0 +1,38 @@
+"""MonarchKernel: an IPython kernel that is the controller of worker meshes.
+
+Everything an IPython kernel does stays as it is (ordinary cells run in the
+controller); the ``%mesh`` / ``%%mesh`` magics (:mod:`.magics`) drive
+meshes. On shutdown or restart every mesh is stopped, so no worker outlives
+its kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ipykernel.ipkernel import IPythonKernel
+
+from .. import __version__
+from .magics import MeshMagics
+
+__all__ = ["MonarchKernel"]
+
+
+class MonarchKernel(IPythonKernel):
+    """The ``monarch`` kernel (display name "Monarch (mesh)")."""
+
+    implementation = "monarch_kernel"
+    implementation_version = __version__
+    banner = (
+        "Monarch (mesh): an IPython kernel that drives a mesh of worker processes.\n"
+        "Start one with  %mesh spawn 4  and run cells on it with  %%mesh"
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.mesh_magics = MeshMagics(self.shell, kernel=self)
+        self.shell.register_magics(self.mesh_magics)
+
+    async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        self.mesh_magics.stop_all()
+        return super().do_shutdown(restart)

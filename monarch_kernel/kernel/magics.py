@@ -1,0 +1,320 @@
+"""The ``%mesh`` line magic and the ``%%mesh`` cell magic.
+
+``%mesh spawn N [--dist gloo|nccl|none]``, ``%%mesh [--ranks SPEC]``,
+``%mesh push NAME...``, ``x = %mesh pull NAME``, ``%mesh status``,
+``%mesh stop``. Bad input raises IPython's ``UsageError``: one line that
+says what to do, and the kernel stays usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import shlex
+import signal
+import sys
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from ..controller import Request
+from ..errors import MeshError, MonarchError, RankSpecError
+from ..mesh import ValueMesh, parse_ranks
+from ..output import RankPrinter
+from ..procmesh import ProcMesh, spawn_procs
+
+__all__ = ["MeshMagics"]
+
+#: ranks a local mesh may have (more is almost surely a typo)
+MAX_LOCAL_RANKS = 1024
+
+USAGE = """\
+%mesh spawn N|HxP [--dist gloo|nccl|none] [--launcher local] [--name mesh]
+%%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
+%mesh push NAME [NAME ...]                   copy notebook variables to every rank
+x = %mesh pull NAME                          a ValueMesh of NAME from every rank
+%mesh status                                 rank, host, pid, state
+%mesh stop [--all]                           stop the mesh's workers"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise UsageError(f"%mesh {self.prog.split()[-1]}: {message}. Usage:\n{USAGE}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> Any:
+        raise UsageError(message or USAGE)
+
+
+def _parser(name: str) -> _Parser:
+    return _Parser(prog=f"%mesh {name}", add_help=False, exit_on_error=False)
+
+
+def parse_shape(text: str) -> dict[str, int]:
+    """``"4"`` -> ``{"hosts": 1, "procs": 4}``; ``"2x4"`` -> ``{"hosts": 2, "procs": 4}``.
+
+    Raises
+    ------
+    UsageError
+        For anything that is not N or HxP with positive integers.
+    """
+    parts = text.lower().split("x")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(
+            f"%mesh spawn: {text!r} is not a mesh size; write N (e.g. 4) or HOSTSxPROCS (2x4)"
+        ) from None
+    if len(sizes) not in (1, 2) or any(s < 1 for s in sizes):
+        raise UsageError(
+            f"%mesh spawn: {text!r} is not a mesh size; sizes must be positive integers: "
+            "N (e.g. 4) or HOSTSxPROCS (2x4)"
+        )
+    dims = {"hosts": 1, "procs": sizes[0]} if len(sizes) == 1 else {
+        "hosts": sizes[0], "procs": sizes[1]}
+    if dims["hosts"] * dims["procs"] > MAX_LOCAL_RANKS:
+        raise UsageError(
+            f"%mesh spawn: {dims['hosts'] * dims['procs']} ranks is more than the "
+            f"{MAX_LOCAL_RANKS} this kernel allows; spawn fewer ranks"
+        )
+    return dims
+
+
+@magics_class
+class MeshMagics(Magics):
+    """``%mesh`` and ``%%mesh``; holds the kernel's meshes by name."""
+
+    def __init__(self, shell: Any, kernel: Any = None) -> None:
+        super().__init__(shell)
+        self.kernel = kernel
+        self.meshes: dict[str, ProcMesh] = {}
+        self.current: str | None = None
+
+    # ------------------------------------------------------------ helpers
+    def current_mesh(self) -> ProcMesh:
+        """The current mesh.
+
+        Raises
+        ------
+        UsageError
+            If no mesh is running.
+        """
+        m = self.meshes.get(self.current or "")
+        if m is None or m.root._stopped:
+            raise UsageError("no mesh is running; start one first with  %mesh spawn 4")
+        return m
+
+    def stop_all(self) -> None:
+        """Stop every mesh (kernel shutdown and restart)."""
+        for m in list(self.meshes.values()):
+            try:
+                m.stop(timeout=3)
+            except Exception:  # noqa: BLE001 - stopping must go on for the others
+                pass
+        self.meshes.clear()
+
+    # -------------------------------------------------------------- magic
+    @line_cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        """Drive the mesh of worker processes (see ``%mesh help``)."""
+        if cell is not None:
+            return self._cell(line, cell)
+        try:
+            argv = shlex.split(line)
+        except ValueError as e:
+            raise UsageError(f"%mesh: cannot parse {line!r}: {e}") from None
+        if not argv or argv[0] in ("help", "-h", "--help"):
+            print(USAGE)
+            return None
+        cmd, rest = argv[0], argv[1:]
+        handler = getattr(self, f"_cmd_{cmd}", None)
+        if handler is None:
+            raise UsageError(f"%mesh: unknown command {cmd!r}. Usage:\n{USAGE}")
+        try:
+            return handler(rest)
+        except (UsageError, KeyboardInterrupt):
+            raise
+        except MonarchError as e:
+            if isinstance(e, (MeshError,)) and not hasattr(e, "ranks"):
+                raise UsageError(f"%mesh {cmd}: {e}") from None
+            raise
+
+    # ------------------------------------------------------------ commands
+    def _cmd_spawn(self, argv: list[str]) -> ProcMesh:
+        p = _parser("spawn")
+        p.add_argument("size")
+        p.add_argument("--dist", choices=["gloo", "nccl", "none"], default="none")
+        p.add_argument("--launcher", default="local")
+        p.add_argument("--bind", default="127.0.0.1")
+        p.add_argument("--name", default="mesh")
+        p.add_argument("--heartbeat", type=float, default=1.0)
+        p.add_argument("--timeout", type=float, default=120.0)
+        a = p.parse_args(argv)
+        dims = parse_shape(a.size)
+        if not a.name.isidentifier():
+            raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
+        old = self.meshes.pop(a.name, None)
+        if old is not None and not old.root._stopped:
+            print(f"stopping the previous mesh {a.name!r} {old.shape.dims}")
+            old.stop()
+        t0 = time.monotonic()
+        try:
+            m = spawn_procs(dims, dist=a.dist, launcher=a.launcher, bind=a.bind,
+                            heartbeat=a.heartbeat, timeout=a.timeout)
+        except ValueError as e:
+            raise UsageError(f"%mesh spawn: {e}") from None
+        self.meshes[a.name] = m
+        self.current = a.name
+        self.shell.user_ns[a.name] = m
+        dist = f", torch.distributed {a.dist}" if a.dist != "none" else ""
+        print(f"mesh {a.name!r}: {len(m)} ranks {m.shape.dims} ready in "
+              f"{time.monotonic() - t0:.2f} s{dist}")
+        return None
+
+    def _cmd_stop(self, argv: list[str]) -> None:
+        p = _parser("stop")
+        p.add_argument("--all", action="store_true")
+        a = p.parse_args(argv)
+        if a.all:
+            self.stop_all()
+            print("stopped every mesh")
+            return
+        m = self.current_mesh()
+        m.stop()
+        print(f"mesh {self.current!r} stopped ({len(m)} ranks)")
+        self.meshes.pop(self.current or "", None)
+
+    def _cmd_push(self, argv: list[str]) -> None:
+        if not argv:
+            raise UsageError("%mesh push: name the variables to copy, e.g.  %mesh push lr data")
+        m = self.current_mesh()
+        values = {}
+        for name in argv:
+            if name not in self.shell.user_ns:
+                raise UsageError(f"%mesh push: {name!r} is not defined in the notebook; "
+                                 "define it first")
+            values[name] = self.shell.user_ns[name]
+        m.push(**values)
+
+    def _cmd_pull(self, argv: list[str]) -> Any:
+        if not argv:
+            raise UsageError("%mesh pull: name the variable to fetch, e.g.  x = %mesh pull loss")
+        m = self.current_mesh()
+        out = []
+        for name in argv:
+            req = m.request("pull", {"names": [name]})
+            vm = m.collect(req)
+            out.append(ValueMesh(vm.shape, [v[0] for v in vm.values()]))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _cmd_status(self, argv: list[str]) -> Any:
+        from ..ui.status import StatusTable
+
+        return StatusTable(self.current_mesh())
+
+    # --------------------------------------------------------------- cells
+    def _cell(self, line: str, cell: str) -> Any:
+        p = _parser("%%mesh")
+        p.add_argument("--ranks", default=None)
+        p.add_argument("--timeout", type=float, default=None)
+        try:
+            a = p.parse_args(shlex.split(line))
+        except ValueError as e:
+            raise UsageError(f"%%mesh: cannot parse {line!r}: {e}") from None
+        m = self.current_mesh()
+        try:
+            ranks = m.ranks if a.ranks is None else parse_ranks(a.ranks, m.world_size)
+        except RankSpecError as e:
+            raise UsageError(f"%%mesh --ranks: {e}") from None
+        if a.timeout is not None and a.timeout <= 0:
+            raise UsageError("%%mesh --timeout: give a positive number of seconds")
+        req = m.run(cell, ranks)
+        self._wait(m, req, a.timeout)
+        vm = m.collect(req, ranks)
+        if all(v is None for v in vm.values()):
+            return None
+        return vm
+
+    def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
+        """Show the request's output live until it is done; handle interrupts."""
+        printer = RankPrinter(self._write)
+        start = time.monotonic()
+        interrupted: float | None = None
+        killed: list[int] = []
+        reason = "interrupted"
+        while True:
+            try:
+                self._pump(req, printer, start, timeout, interrupted)
+                break
+            except _Timeout:
+                reason = f"timed out after {timeout:g} s"
+                interrupted = self._interrupt(m, req, interrupted, killed, reason)
+            except KeyboardInterrupt:
+                interrupted = self._interrupt(m, req, interrupted, killed, reason)
+        printer.close()
+        if interrupted is not None:
+            if killed:
+                print(f"ranks {killed} ignored the interrupt and were killed", file=sys.stderr)
+            if reason != "interrupted":
+                print(f"%%mesh {reason}; ranks {req.ranks} were interrupted", file=sys.stderr)
+
+    def _interrupt(self, m: ProcMesh, req: Request, first: float | None, killed: list[int],
+                   reason: str) -> float:
+        waiting = [r for r in req.ranks if r not in req.replies]
+        now = time.monotonic()
+        if first is None:
+            m.interrupt(waiting)
+            return now
+        # a second interrupt, or ranks ignoring the first one for 5 s: escalate
+        if m.launcher.local:
+            m.launcher.signal(waiting, signal.SIGTERM)
+            time.sleep(0.5)
+            m.launcher.signal([r for r in waiting if r not in req.replies], signal.SIGKILL)
+        killed.extend(waiting)
+        return first
+
+    def _pump(self, req: Request, printer: RankPrinter, start: float, timeout: float | None,
+              interrupted: float | None) -> None:
+        last_flush = time.monotonic()
+        while True:
+            done = req.done()
+            try:
+                ev = req.events.get(timeout=0.02)
+            except queue.Empty:
+                printer.flush_lines()
+                last_flush = time.monotonic()
+                if done:
+                    return
+                now = time.monotonic()
+                if interrupted is None and timeout is not None and now - start > timeout:
+                    raise _Timeout
+                if interrupted is not None and now - interrupted > 5.0:
+                    raise KeyboardInterrupt  # escalate
+                continue
+            self._event(ev, printer)
+            if time.monotonic() - last_flush > 0.1:
+                printer.flush_lines()
+                last_flush = time.monotonic()
+
+    def _event(self, ev: tuple, printer: RankPrinter) -> None:
+        kind = ev[0]
+        if kind == "stream":
+            _, rank, name, text = ev
+            printer.feed(rank, name, text)
+        elif kind == "display":
+            _, rank, content = ev
+            printer.flush_lines()
+            md = dict(content.get("metadata") or {})
+            md["monarch_rank"] = rank
+            self.shell.display_pub.publish(data=content["data"], metadata=md)
+
+    @staticmethod
+    def _write(name: str, text: str) -> None:
+        stream = sys.stdout if name == "stdout" else sys.stderr
+        stream.write(text)
+        stream.flush()
+
+
+class _Timeout(Exception):
+    pass

@@ -1,0 +1,119 @@
+"""The launcher interface: how worker processes are started, watched and stopped.
+
+A launcher starts ``python -m monarch_kernel.worker`` once per rank on some
+engine (local subprocesses, Slurm, ...). Workers connect back to the
+controller's address; the launcher only has to start them, say where they
+run, signal them, report exits it can see, and clean up. Adding Kubernetes
+or SSH means one more subclass of :class:`Launcher`.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+__all__ = ["LaunchSpec", "Placement", "Launcher", "worker_command"]
+
+
+@dataclass
+class LaunchSpec:
+    """What to start.
+
+    Attributes
+    ----------
+    address : str
+        The controller's ``tcp://host:port``.
+    key : bytes
+        The mesh key (passed to workers through the environment, never argv).
+    shape : dict of str to int
+        Named dimensions, e.g. ``{"hosts": 1, "procs": 4}``; ranks are
+        numbered row-major (host-major).
+    ranks : list of int
+        The ranks to start now (all of them, or one being restarted).
+    env : dict of int to dict of str to str
+        Extra environment per rank.
+    heartbeat : float
+        Seconds between heartbeats.
+    controller_pid : int or None
+        Set when workers run on the controller's host.
+    """
+
+    address: str
+    key: bytes
+    shape: dict[str, int]
+    ranks: list[int]
+    env: dict[int, dict[str, str]] = field(default_factory=dict)
+    heartbeat: float = 1.0
+    controller_pid: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.shape.values():
+            n *= s
+        return n
+
+
+@dataclass
+class Placement:
+    """Where one rank runs."""
+
+    rank: int
+    host: str
+    pid: int | None = None
+    job: str | None = None  # scheduler job (and step) id, if any
+
+
+def worker_command(spec: LaunchSpec, rank: int | None = None, python: str | None = None
+                   ) -> list[str]:
+    """The argv of one worker (``rank`` None: taken from the environment)."""
+    cmd = [python or sys.executable, "-m", "monarch_kernel.worker",
+           "--controller", spec.address,
+           "--world-size", str(spec.world_size),
+           "--shape", ",".join(f"{k}={v}" for k, v in spec.shape.items()),
+           "--heartbeat", str(spec.heartbeat),
+           "--heartbeat-timeout", str(max(6.0, 6 * spec.heartbeat))]
+    if rank is not None:
+        cmd += ["--rank", str(rank)]
+    if spec.controller_pid is not None:
+        cmd += ["--controller-pid", str(spec.controller_pid)]
+    return cmd
+
+
+class Launcher(abc.ABC):
+    """Starts, watches and stops worker processes for one mesh."""
+
+    #: short name used by ``--launcher NAME``
+    name: str = ""
+    #: True when workers run on this host as child processes
+    local: bool = False
+
+    @abc.abstractmethod
+    def launch(self, spec: LaunchSpec) -> None:
+        """Start workers for ``spec.ranks`` (returns without waiting for them)."""
+
+    @abc.abstractmethod
+    def placements(self) -> dict[int, Placement]:
+        """Where each started rank runs."""
+
+    @abc.abstractmethod
+    def poll(self) -> dict[int, int]:
+        """Ranks whose process has exited since the last call, with exit codes
+        (negative: killed by that signal). Cheap; called ~20 times a second."""
+
+    @abc.abstractmethod
+    def signal(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
+        """Send ``sig`` to the processes of ``ranks``."""
+
+    @abc.abstractmethod
+    def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
+        """Make sure the processes of ``ranks`` (all if None) have exited:
+        SIGTERM, then SIGKILL after ``timeout`` seconds; cancel jobs."""
+
+
+def default_threads(nprocs_here: int) -> str:
+    """OMP_NUM_THREADS per worker when the user set none (as torchrun does)."""
+    return str(max(1, (os.cpu_count() or 1) // max(1, nprocs_here)))

@@ -1,0 +1,92 @@
+"""The ``local`` launcher: workers are subprocesses of the controller's host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+from .base import Launcher, LaunchSpec, Placement, default_threads, worker_command
+
+__all__ = ["LocalLauncher"]
+
+
+class LocalLauncher(Launcher):
+    """Start each rank as ``python -m monarch_kernel.worker`` on this host.
+
+    Workers get their own session (so a Ctrl-C meant for the controller is
+    not delivered to them directly: interrupts are routed) and watch the
+    controller's pid, exiting by themselves if it disappears.
+    """
+
+    name = "local"
+    local = True
+
+    def __init__(self) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._reported: set[int] = set()
+        self._lock = threading.Lock()
+        self.host = socket.gethostname()
+
+    def launch(self, spec: LaunchSpec) -> None:
+        spec.controller_pid = os.getpid()
+        base = dict(os.environ)
+        base["MONARCH_MESH_KEY"] = spec.key.hex()
+        base.setdefault("OMP_NUM_THREADS", default_threads(spec.world_size))
+        for rank in spec.ranks:
+            env = dict(base)
+            env.update(spec.env.get(rank, {}))
+            proc = subprocess.Popen(
+                worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            with self._lock:
+                old = self.procs.get(rank)
+                if old is not None and old.poll() is None:
+                    old.kill()
+                    old.wait(5)
+                self.procs[rank] = proc
+                self._reported.discard(rank)
+
+    def placements(self) -> dict[int, Placement]:
+        return {r: Placement(r, self.host, p.pid) for r, p in self.procs.items()}
+
+    def poll(self) -> dict[int, int]:
+        out = {}
+        with self._lock:
+            for rank, p in self.procs.items():
+                if rank not in self._reported:
+                    code = p.poll()
+                    if code is not None:
+                        self._reported.add(rank)
+                        out[rank] = code
+        return out
+
+    def signal(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
+        for r in ranks:
+            p = self.procs.get(r)
+            if p is not None and p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
+        with self._lock:
+            procs = [p for r, p in self.procs.items() if ranks is None or r in ranks]
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        deadline = time.monotonic() + 2.0
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

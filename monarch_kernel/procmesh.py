@@ -1,0 +1,379 @@
+"""Process meshes: spawning worker processes and driving them.
+
+:func:`spawn_procs` starts a controller and a launcher, waits until every
+worker connected, and (with ``dist``) runs ``torch.distributed`` set-up on
+every rank. The :class:`ProcMesh` it returns runs cells, moves variables,
+spawns actors (:meth:`ProcMesh.spawn`), and is stopped with
+:meth:`ProcMesh.stop` or a ``with`` block. A script that forgets to stop
+its meshes has them stopped at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import socket
+import threading
+import weakref
+from typing import Any
+
+from .controller import Controller, Request
+from .errors import MeshError, MeshFailure, RemoteError, group_failures, remote_exception
+from .launchers import Launcher, LaunchSpec, get_launcher
+from .mesh import Shape, ValueMesh
+
+__all__ = ["ProcMesh", "spawn_procs", "this_host", "HostMesh"]
+
+_live: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
+
+DIST_BACKENDS = ("gloo", "nccl", "none")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ProcMesh:
+    """A mesh of worker processes with named dimensions.
+
+    Created by :func:`spawn_procs`, ``this_host().spawn_procs(...)`` or the
+    ``%mesh spawn`` magic. Slices (:meth:`slice`) share the processes.
+
+    Attributes
+    ----------
+    shape : Shape
+    controller : Controller
+    launcher : Launcher
+    dist : str or None
+        The ``torch.distributed`` backend set up on every rank, if any.
+    """
+
+    def __init__(self, controller: Controller, launcher: Launcher, shape: Shape,
+                 dist: str | None = None, root: ProcMesh | None = None) -> None:
+        self.controller = controller
+        self.launcher = launcher
+        self.shape = shape
+        self.dist = dist
+        self._root = root
+        self._stopped = False
+        self._cell = 0
+        self._lock = threading.Lock()
+
+    # --------------------------------------------------------------- shape
+    @property
+    def root(self) -> ProcMesh:
+        return self._root or self
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{dimension: size}``."""
+        return self.shape.dims
+
+    @property
+    def ranks(self) -> list[int]:
+        """Global ranks of this mesh, row-major."""
+        return list(self.shape.ranks)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole (root) mesh."""
+        return len(self.root.shape)
+
+    def __len__(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.root._stopped else self.launcher.name
+        return f"<ProcMesh {self.shape.dims} ({state})>"
+
+    def slice(self, **selectors: int | slice) -> ProcMesh:
+        """A sub-mesh over the same processes (``procs=0``, ``procs=slice(0, 2)``)."""
+        return ProcMesh(self.controller, self.launcher, self.shape.slice(**selectors),
+                        self.dist, self.root)
+
+    # ------------------------------------------------------------ requests
+    def _check(self) -> None:
+        if self.root._stopped:
+            raise MeshFailure("this mesh was stopped; spawn a new one (%mesh spawn N)")
+
+    def request(self, type: str, content: Any = None, ranks: list[int] | None = None
+                ) -> Request:
+        """Send a request to ``ranks`` (default: this mesh's ranks)."""
+        self._check()
+        return self.controller.request(self.ranks if ranks is None else ranks, type, content)
+
+    def run(self, code: str, ranks: list[int] | None = None) -> Request:
+        """Start running ``code`` as a cell on ``ranks``; returns the :class:`Request`."""
+        with self._lock:
+            self.root._cell += 1
+            n = self.root._cell
+        return self.request("execute", {"code": code, "filename": f"<mesh-cell-{n}>"}, ranks)
+
+    def collect(self, req: Request, ranks: list[int] | None = None,
+                timeout: float | None = None) -> ValueMesh:
+        """Wait for ``req`` and return its values as a :class:`ValueMesh`.
+
+        Raises
+        ------
+        MeshFailure
+            If a rank died before answering.
+        RemoteError
+            If ranks raised; an instance of the original exception type when
+            all failing ranks raised alike.
+        TimeoutError
+            If ``timeout`` seconds passed first.
+        """
+        if not req.wait(timeout):
+            raise TimeoutError(f"no answer from ranks {req.ranks} within {timeout} s")
+        raise_failures(req)
+        shape = self._shape_for(req.ranks if ranks is None else ranks)
+        return ValueMesh(shape, [req.replies[r][1] for r in shape.ranks])
+
+    def _shape_for(self, ranks: list[int]) -> Shape:
+        if sorted(ranks) == sorted(self.shape.ranks):
+            return self.shape
+        return Shape({"ranks": len(ranks)}, sorted(ranks))
+
+    def exec(self, code: str, timeout: float | None = None) -> ValueMesh:
+        """Run ``code`` on every rank and return the last expression's values."""
+        return self.collect(self.run(code), timeout=timeout)
+
+    def push(self, **values: Any) -> None:
+        """Copy ``values`` into every rank's namespace."""
+        self.collect(self.request("push", values))
+
+    def pull(self, name: str) -> ValueMesh:
+        """A variable from every rank's namespace, as a :class:`ValueMesh`.
+
+        Raises
+        ------
+        RemoteError
+            (also a ``NameError``) if a rank has no such variable.
+        """
+        vm = self.collect(self.request("pull", {"names": [name]}))
+        return ValueMesh(vm.shape, [v[0] for v in vm.values()])
+
+    def interrupt(self, ranks: list[int] | None = None) -> None:
+        """Interrupt the code running on ``ranks`` (KeyboardInterrupt there)."""
+        ranks = self.ranks if ranks is None else ranks
+        if self.launcher.local:
+            import signal
+
+            self.launcher.signal(ranks, signal.SIGINT)
+        else:
+            self.controller.notify(ranks, "interrupt")
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: rank, host, pid, state, exit code, message counts."""
+        rows = []
+        placements = self.launcher.placements()
+        for r in self.ranks:
+            info = self.controller.ranks[r]
+            p = placements.get(r)
+            rows.append({
+                "rank": r,
+                "host": info.host or (p.host if p else ""),
+                "pid": info.pid or (p.pid if p else None),
+                "job": p.job if p else None,
+                "state": "stopped" if self.root._stopped else info.state,
+                "exitcode": info.exitcode,
+                "messages_in": info.messages_in,
+                "messages_out": info.messages_out,
+                **info.telemetry,
+            })
+        return rows
+
+    def setup_dist(self, timeout: float = 120.0) -> None:
+        """Run ``torch.distributed`` set-up on every rank of the root mesh.
+
+        MASTER_ADDR is the host of rank 0 (the controller's address for local
+        meshes); MASTER_PORT a free port there.
+        """
+        root = self.root
+        host = root.controller.address.split("//")[1].rsplit(":", 1)[0]
+        if root.launcher.local:
+            master, port = host, _free_port(host)
+        else:
+            master, port = root.controller.ranks[0].host, 29500
+        env = _setup_env(root, master, port)
+        reqs = [root.controller.request([r], "setup", {"dist": root.dist, "env": env[r],
+                                                       "timeout": timeout})
+                for r in root.ranks]
+        for req in reqs:
+            if not req.wait(timeout + 10):
+                raise TimeoutError(f"torch.distributed set-up did not finish in {timeout} s")
+            raise_failures(req)
+
+    # ---------------------------------------------------------------- actors
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
+        """Construct ``actor_class(*args, **kwargs)`` on every rank: an ActorMesh."""
+        from .actor import spawn_actor_mesh
+
+        return spawn_actor_mesh(self, name, actor_class, args, kwargs)
+
+    # --------------------------------------------------------------- closing
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every worker of the (root) mesh and close the controller.
+
+        Idempotent. Workers that do not exit within ``timeout`` seconds are
+        terminated, then killed.
+        """
+        root = self.root
+        if root._stopped:
+            return
+        root._stopped = True
+        live = [r for r, i in root.controller.ranks.items() if i.state not in ("dead", "stopped")]
+        try:
+            reqs = root.controller.request(live, "stop") if live else None
+            if reqs is not None:
+                reqs.wait(timeout)
+        except MeshFailure:
+            pass
+        root.launcher.stop(timeout=timeout)
+        for r in live:
+            root.controller.mark_dead(r, 0, state="stopped")
+        root.controller.close()
+        _live.discard(root)
+
+    def __enter__(self) -> ProcMesh:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def raise_failures(req: Request, actor: str | None = None) -> None:
+    """Raise what went wrong with ``req``, if anything (see :meth:`ProcMesh.collect`)."""
+    failures = req.failures(actor)
+    if req.failure is not None and not failures:
+        raise req.failure
+    if failures:
+        from .errors import ActorError
+
+        base = ActorError if actor else RemoteError
+        groups = group_failures(failures)
+        if len(groups) == 1:
+            raise remote_exception(groups[0], base)
+        err = remote_exception(groups[0], base)
+        err.others = [remote_exception(g, base) for g in groups[1:]]
+        raise err
+
+
+def spawn_procs(
+    shape: dict[str, int] | int = 1,
+    *,
+    dist: str | None = None,
+    launcher: str | Launcher = "local",
+    bind: str = "127.0.0.1",
+    heartbeat: float = 1.0,
+    timeout: float = 120.0,
+    on_output: Any = None,
+    launcher_options: dict[str, Any] | None = None,
+) -> ProcMesh:
+    """Start a mesh of worker processes.
+
+    Parameters
+    ----------
+    shape : dict of str to int, or int
+        Named dimensions (``{"hosts": 1, "procs": 4}``); an int ``N`` means
+        ``{"hosts": 1, "procs": N}``.
+    dist : {"gloo", "nccl", "none"} or None
+        Set up ``torch.distributed`` on every rank (MASTER_ADDR,
+        MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
+        ``init_process_group``); with ``nccl`` LOCAL_RANK picks the GPU.
+    launcher : str or Launcher
+        ``"local"`` (subprocesses of this host) or ``"slurm"``.
+    bind : str
+        Address the controller binds (loopback by default).
+    heartbeat : float
+        Seconds between heartbeats.
+    timeout : float
+        Seconds to wait for every worker to connect (and set up).
+
+    Returns
+    -------
+    ProcMesh
+
+    Raises
+    ------
+    MeshError
+        For a bad shape or backend.
+    MeshFailure
+        If a worker died while starting.
+    TimeoutError
+        If workers did not connect in time.
+    """
+    if isinstance(shape, int):
+        shape = {"hosts": 1, "procs": shape}
+    sh = Shape(shape)
+    if dist not in (None, *DIST_BACKENDS):
+        raise MeshError(f"unknown --dist backend {dist!r}; use gloo, nccl or none")
+    n = len(sh)
+    if n > 4096:
+        raise MeshError(f"{n} ranks is more than this controller supports (4096)")
+    ctl = Controller(bind=bind, heartbeat=heartbeat, on_output=on_output)
+    try:
+        la = get_launcher(launcher, **(launcher_options or {}))
+    except BaseException:
+        ctl.close()
+        raise
+    mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
+    ranks = list(range(n))
+    ctl.expect(ranks, local=la.local)
+    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat)
+    if la.local:
+        ctl.poll_exits = la.poll
+    try:
+        la.launch(spec)
+        ctl.wait_ready(ranks, timeout)
+        if mesh.dist:
+            mesh.setup_dist(timeout)
+    except BaseException:
+        mesh.stop(timeout=2)
+        raise
+    _live.add(mesh)
+    return mesh
+
+
+def _setup_env(mesh: ProcMesh, master_addr: str, port: int) -> dict[int, dict[str, str]]:
+    procs = mesh.shape.sizes[-1] if mesh.shape.sizes else 1
+    n = len(mesh.root.shape)
+    return {r: {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+                "WORLD_SIZE": str(n), "LOCAL_RANK": str(r % procs),
+                "LOCAL_WORLD_SIZE": str(procs)} for r in mesh.root.ranks}
+
+
+
+
+class HostMesh:
+    """The hosts a mesh can be spawned on (Monarch's ``this_host()``)."""
+
+    def __init__(self, launcher: str | Launcher = "local", hosts: int = 1) -> None:
+        self.launcher = launcher
+        self.hosts = hosts
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, **kwargs: Any) -> ProcMesh:
+        """Spawn ``per_host`` processes on each host, e.g. ``per_host={"procs": 4}``.
+
+        Other keyword arguments go to :func:`spawn_procs`.
+        """
+        per_host = dict(per_host or {"procs": 1})
+        shape = {"hosts": self.hosts, **per_host}
+        kwargs.setdefault("launcher", self.launcher)
+        return spawn_procs(shape, **kwargs)
+
+
+def this_host() -> HostMesh:
+    """This machine as a one-host mesh (``this_host().spawn_procs(...)``)."""
+    return HostMesh("local", 1)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for m in list(_live):
+        try:
+            m.stop(timeout=2)
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+

@@ -1,0 +1,259 @@
+"""The controller <-> worker wire format: the ONE module that knows frames.
+
+Every message is a ZeroMQ multipart message (after any ROUTER identity
+frames)::
+
+    frame 0   b"MK/1"                   magic and protocol version
+    frame 1   signature                 64 ASCII hex digits: HMAC-SHA256, keyed
+                                        with the mesh's random key, over
+                                        frames 2..n in order
+    frame 2   header                    UTF-8 JSON object:
+                                          "t"   message type (see TYPES)
+                                          "id"  message id, unique per sender
+                                          "p"   parent message id or null
+                                          "s"   sender ("ctl" or "r<rank>")
+                                          "nb"  number of buffer frames
+    frame 3   payload                   pickle protocol 5 (cloudpickle) bytes
+    frame 4+  buffers                   out-of-band pickle buffers (raw bytes
+                                        of arrays and tensors), zero-copy
+
+The signature is checked with :func:`hmac.compare_digest` *before* the header
+is parsed or anything is unpickled, exactly as ``jupyter_client.session``
+does for the Jupyter wire protocol. A message id seen before is a replay and
+is rejected. Size limits (header and buffers) are checked before hashing.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import serialize
+from .errors import ProtocolError
+
+__all__ = ["MAGIC", "VERSION", "TYPES", "Message", "Codec", "new_key"]
+
+MAGIC = b"MK/1"
+VERSION = 1
+
+#: every message type, with its direction
+TYPES = frozenset(
+    {
+        # worker -> controller
+        "hello",  # {rank, pid, host, peer_addr}: a worker connected
+        "reply",  # {status: ok|error, value | failure}: answer to a request
+        "stream",  # {name: stdout|stderr, text}
+        "display",  # {data, metadata, transient}: rich output from a rank
+        "state",  # {state, detail}: idle / running / paused ...
+        "event",  # {kind, ...}: asynchronous reports (broadcast failures, ...)
+        # controller -> worker
+        "execute",  # {code, cell_id, sources}: run a cell
+        "push",  # {namespace dict}
+        "pull",  # {names}
+        "setup",  # {dist, env, timeout}: torch.distributed set-up
+        "interrupt",  # {}: raise KeyboardInterrupt in the running code
+        "stop",  # {}: exit cleanly
+        "spawn_actor",  # {name, cls, args, kwargs}
+        "call",  # {actor, method, args, kwargs}: an endpoint call
+        "stop_actor",  # {name}
+        # both ways
+        "heartbeat",
+    }
+)
+
+DEFAULT_MAX_HEADER = 64 * 1024 * 1024  # bytes
+DEFAULT_MAX_BUFFERS = 1024 * 1024 * 1024  # bytes
+REPLAY_WINDOW = 1 << 16  # message ids remembered per codec
+
+
+def new_key() -> bytes:
+    """A fresh random 32-byte mesh key."""
+    return secrets.token_bytes(32)
+
+
+@dataclass
+class Message:
+    """One decoded message.
+
+    Attributes
+    ----------
+    type : str
+        One of :data:`TYPES`.
+    id : str
+        Unique message id.
+    parent : str or None
+        Id of the request this answers, if any.
+    sender : str
+        ``"ctl"`` or ``"r<rank>"``.
+    content : Any
+        The unpickled payload.
+    identity : list of bytes
+        ROUTER identity frames it arrived with (empty on a DEALER).
+    """
+
+    type: str
+    id: str
+    parent: str | None
+    sender: str
+    content: Any
+    identity: list[bytes] = field(default_factory=list)
+
+
+class Codec:
+    """Encodes and verifies messages for one endpoint of a mesh.
+
+    Parameters
+    ----------
+    key : bytes
+        The mesh's HMAC key (32 random bytes; :func:`new_key`).
+    sender : str
+        This endpoint's name, written into every header.
+    max_header : int
+        Largest accepted header + payload, in bytes (default 64 MiB).
+    max_buffers : int
+        Largest accepted total of buffer frames, in bytes (default 1 GiB).
+    """
+
+    def __init__(
+        self,
+        key: bytes,
+        sender: str,
+        max_header: int = DEFAULT_MAX_HEADER,
+        max_buffers: int = DEFAULT_MAX_BUFFERS,
+    ) -> None:
+        if not key:
+            raise ValueError("a mesh key must not be empty")
+        self._hmac = hmac.new(key, digestmod=hashlib.sha256)
+        self.sender = sender
+        self.max_header = max_header
+        self.max_buffers = max_buffers
+        self._prefix = f"{sender}.{os.getpid()}.{secrets.token_hex(4)}."
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._seen_order: collections.deque[str] = collections.deque()
+
+    def new_id(self) -> str:
+        """A message id unique to this codec."""
+        with self._lock:
+            self._counter += 1
+            return self._prefix + str(self._counter)
+
+    def _sign(self, parts: list[Any]) -> bytes:
+        h = self._hmac.copy()
+        for p in parts:
+            h.update(p)
+        return h.hexdigest().encode()
+
+    def encode(
+        self,
+        type: str,
+        content: Any = None,
+        parent: str | None = None,
+        id: str | None = None,
+    ) -> list[Any]:
+        """Build the frames of one message.
+
+        Returns
+        -------
+        list
+            ``[MAGIC, signature, header, payload, *buffers]``; buffers are
+            memoryviews that ZeroMQ sends without copying.
+
+        Raises
+        ------
+        SerializationError
+            If ``content`` cannot be pickled.
+        """
+        payload, buffers = serialize.dumps(content)
+        header = json.dumps(
+            {
+                "t": type,
+                "id": id or self.new_id(),
+                "p": parent,
+                "s": self.sender,
+                "nb": len(buffers),
+            },
+            separators=(",", ":"),
+        ).encode()
+        sig = self._sign([header, payload, *buffers])
+        return [MAGIC, sig, header, payload, *buffers]
+
+    def decode(self, frames: list[Any], router: bool = False) -> Message:
+        """Verify and decode frames received from a socket.
+
+        Parameters
+        ----------
+        frames : list of bytes, memoryview or zmq.Frame
+        router : bool
+            True when the frames came from a ROUTER socket and start with
+            identity frames.
+
+        Raises
+        ------
+        ProtocolError
+            For a missing magic, a bad or missing signature, a replayed id,
+            an oversized or malformed message, or a payload that does not
+            unpickle. Nothing is unpickled before the signature is checked.
+        """
+        views = [_view(f) for f in frames]
+        identity: list[bytes] = []
+        if router:
+            try:
+                i = next(i for i, v in enumerate(views) if v == MAGIC)
+            except StopIteration:
+                raise ProtocolError("no protocol magic frame (not a monarch_kernel message)")
+            identity = [bytes(v) for v in views[:i]]
+            views = views[i:]
+        if len(views) < 4 or views[0] != MAGIC:
+            raise ProtocolError(f"malformed message: {len(views)} frames, bad or missing magic")
+        sig, header_b, payload = views[1], views[2], views[3]
+        buffers = views[4:]
+        if header_b.nbytes + payload.nbytes > self.max_header:
+            raise ProtocolError(
+                f"message header+payload of {header_b.nbytes + payload.nbytes} bytes exceeds "
+                f"the limit of {self.max_header} bytes"
+            )
+        total = sum(b.nbytes for b in buffers)
+        if total > self.max_buffers:
+            raise ProtocolError(
+                f"message buffers of {total} bytes exceed the limit of {self.max_buffers} bytes"
+            )
+        expected = self._sign([header_b, payload, *buffers])
+        if not hmac.compare_digest(expected, bytes(sig)):
+            raise ProtocolError("bad message signature (wrong key or tampered message)")
+        try:
+            header = json.loads(bytes(header_b))
+            mtype, mid, parent, sender, nb = (
+                header["t"], header["id"], header["p"], header["s"], header["nb"]
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(f"malformed message header: {e}") from None
+        if mtype not in TYPES or not isinstance(mid, str) or nb != len(buffers):
+            raise ProtocolError(f"malformed message header: {header!r:.200}")
+        with self._lock:
+            if mid in self._seen:
+                raise ProtocolError(f"replayed message id {mid!r}")
+            self._seen.add(mid)
+            self._seen_order.append(mid)
+            if len(self._seen_order) > REPLAY_WINDOW:
+                self._seen.discard(self._seen_order.popleft())
+        try:
+            content = serialize.loads(payload, buffers)
+        except Exception as e:
+            raise ProtocolError(f"undecodable payload in {mtype!r} message: {e}") from e
+        return Message(mtype, mid, parent, sender, content, identity)
+
+
+def _view(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if buf is not None:
+        return buf
+    return memoryview(frame)

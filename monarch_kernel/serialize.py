@@ -1,0 +1,147 @@
+"""Serialization: cloudpickle with out-of-band buffers (pickle protocol 5).
+
+Functions and classes defined in a notebook cell or in ``__main__`` travel by
+value (cloudpickle). Large contiguous buffers -- numpy arrays, and torch
+tensors, which are reduced to numpy arrays here because torch's own reducer
+copies storages in-band -- are not copied into the pickle stream: they are
+returned as separate buffers that :mod:`monarch_kernel.protocol` sends as
+their own ZeroMQ frames (PEP 574).
+
+Tensors keep their dtype, shape, ``requires_grad`` and device: a CUDA tensor
+is rebuilt on the receiver's device of the same index when that device
+exists, never silently left on the CPU when a GPU is available.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any
+
+import cloudpickle
+
+from .errors import SerializationError
+
+__all__ = ["dumps", "loads", "PROTOCOL"]
+
+PROTOCOL = 5
+#: buffers smaller than this are left in-band (a frame costs more than a copy)
+OOB_THRESHOLD = 4096
+
+
+def _rebuild_tensor(
+    array: Any, dtype: Any, shape: tuple, device: str, requires_grad: bool, raw: bool
+):
+    import torch
+
+    t = torch.from_numpy(_writable(array))
+    if raw:
+        t = t.view(dtype).reshape(shape)
+    if device != "cpu":
+        if device.startswith("cuda") and torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else 0
+            index = index if index < torch.cuda.device_count() else torch.cuda.current_device()
+            t = t.to(f"cuda:{index}", non_blocking=False)
+        else:
+            raise SerializationError(
+                f"received a tensor that lived on {device!r}, but this process has no such "
+                "device; move it to the CPU first (tensor.cpu()) if that is what you want"
+            )
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _writable(array: Any) -> Any:
+    if not array.flags.writeable:
+        array = array.copy()
+    return array
+
+
+_NUMPY_DTYPES: set[str] = {
+    "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "complex128",
+}
+
+
+def _reduce_tensor(t: Any) -> tuple:
+    import torch
+
+    device = str(t.device)
+    requires_grad = bool(t.requires_grad)
+    cpu = t.detach()
+    if cpu.device.type != "cpu":
+        cpu = cpu.cpu()
+    cpu = cpu.contiguous()
+    raw = str(cpu.dtype).replace("torch.", "") not in _NUMPY_DTYPES or cpu.is_conj()
+    if raw:  # bfloat16, float8, ...: ship the raw bytes
+        array = cpu.resolve_conj().reshape(-1).view(torch.uint8).numpy()
+    else:
+        array = cpu.numpy()
+    return (_rebuild_tensor, (array, cpu.dtype, tuple(cpu.shape), device, requires_grad, raw))
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and obj.layout == torch.strided:
+            return _reduce_tensor(obj)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """Pickle ``obj``; large buffers are returned separately.
+
+    Parameters
+    ----------
+    obj : Any
+
+    Returns
+    -------
+    payload : bytes
+        The pickle stream (protocol 5).
+    buffers : list of memoryview
+        Out-of-band buffers, in the order :func:`loads` needs them.
+
+    Raises
+    ------
+    SerializationError
+        If ``obj`` (or something inside it) cannot be pickled; the message
+        names the value's type.
+    """
+    buffers: list[memoryview] = []
+
+    def callback(buf: pickle.PickleBuffer) -> bool:
+        view = buf.raw()
+        if view.nbytes < OOB_THRESHOLD:
+            return True  # keep small buffers in-band
+        buffers.append(view)
+        return False
+
+    f = io.BytesIO()
+    try:
+        _Pickler(f, protocol=PROTOCOL, buffer_callback=callback).dump(obj)
+    except Exception as e:  # pickling raises many types (TypeError, PicklingError, ...)
+        raise SerializationError(
+            f"cannot send a value of type {type(obj).__module__}.{type(obj).__qualname__}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    return f.getvalue(), buffers
+
+
+def loads(payload: bytes | memoryview, buffers: list[Any] = ()) -> Any:
+    """Unpickle what :func:`dumps` produced.
+
+    Raises
+    ------
+    SerializationError
+        If the stream cannot be unpickled here (a module missing on this side,
+        a corrupt stream, ...).
+    """
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    except Exception as e:
+        raise SerializationError(
+            f"cannot unpickle a received value: {type(e).__name__}: {e}"
+        ) from e

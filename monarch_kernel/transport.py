@@ -1,0 +1,127 @@
+"""ZeroMQ sockets, and the mapping of ``zmq.ZMQError`` to :mod:`errors`.
+
+Two patterns are used everywhere:
+
+* one thread (the I/O thread) owns each network socket (ROUTER on the
+  controller, DEALER on a worker) and is the only one to poll, receive or
+  send on it;
+* every other thread hands outgoing frames to the I/O thread through an
+  :class:`Outbox`: one ``inproc://`` PUSH socket guarded by a lock, so that
+  messages from all threads keep one order (a reply never overtakes the
+  output that preceded it).
+
+Sockets are closed with ``linger=0`` (as in pyzmq's own tests).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import os
+import threading
+from typing import Any
+
+import zmq
+
+from .errors import TransportError
+
+__all__ = ["Outbox", "bind_router", "connect_dealer", "is_loopback", "inproc_pair"]
+
+_counter = itertools.count()
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` is a loopback address or ``localhost``."""
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_router(ctx: zmq.Context, host: str = "127.0.0.1") -> tuple[zmq.Socket, str]:
+    """Bind a ROUTER socket to a random port on ``host``.
+
+    Returns
+    -------
+    socket : zmq.Socket
+    address : str
+        ``tcp://host:port`` for workers to connect to.
+
+    Raises
+    ------
+    TransportError
+        If the address cannot be bound (not an address of this machine, ...).
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise TransportError(
+            f"cannot bind the controller to {host!r}: {e}; "
+            "pass an address of this machine (e.g. --bind 127.0.0.1)"
+        ) from e
+    return sock, f"tcp://{host}:{port}"
+
+
+def connect_dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
+    """Connect a DEALER with a fixed routing identity to ``address``.
+
+    Raises
+    ------
+    TransportError
+        If ``address`` is not a valid ZeroMQ endpoint.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.IDENTITY, identity)
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise TransportError(f"cannot connect to {address!r}: {e}") from e
+    return sock
+
+
+def inproc_pair(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
+    """A bound inproc PULL socket (for the I/O thread) and its address."""
+    addr = f"inproc://monarch-{os.getpid()}-{next(_counter)}"
+    pull = ctx.socket(zmq.PULL)
+    pull.linger = 0
+    pull.bind(addr)
+    return pull, addr
+
+
+class Outbox:
+    """Thread-safe, order-keeping hand-off of frames to an I/O thread.
+
+    Parameters
+    ----------
+    ctx : zmq.Context
+    address : str
+        The inproc address the I/O thread's PULL socket is bound to.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.linger = 0
+        self._sock.connect(address)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, frames: list[Any]) -> None:
+        """Queue ``frames`` for the I/O thread (never blocks on the network)."""
+        with self._lock:
+            if self._closed:
+                raise TransportError("the connection is closed")
+            self._sock.send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._sock.close(0)

@@ -1,0 +1,451 @@
+"""The worker process: one per rank (``python -m monarch_kernel.worker``).
+
+Threads
+-------
+main
+    Runs requests one at a time, in arrival order: cells (``execute``),
+    ``push``, ``pull``, distributed set-up, actor construction. User code
+    runs here, so signals (interrupts) reach it.
+I/O (``monarch-io``)
+    Owns the DEALER socket: receives and verifies messages, forwards
+    outgoing ones, sends heartbeats, and exits the process when the
+    controller is gone (its pid vanished, or no heartbeat for
+    ``--heartbeat-timeout`` seconds).
+capture (``monarch-capture``)
+    Forwards what user code writes to fds 1 and 2, live.
+actors
+    One thread per actor (see :mod:`monarch_kernel.actor`): an actor handles
+    one message at a time, different actors run concurrently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import builtins
+import codecs
+import linecache
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+import zmq
+
+from . import protocol
+from .capture import FdCapture
+from .errors import ProtocolError, SerializationError
+from .transport import Outbox, connect_dealer, inproc_pair
+
+log = logging.getLogger("monarch_kernel.worker")
+
+_CO_COROUTINE = 0x0080
+
+#: the running worker of this process (None outside a worker)
+current: Worker | None = None
+
+
+class Worker:
+    """State and loops of one worker process.
+
+    Parameters
+    ----------
+    address : str
+        The controller's ``tcp://host:port``.
+    key : bytes
+        The mesh's HMAC key.
+    rank, world_size : int
+    shape : dict of str to int
+        The mesh's named dimensions, e.g. ``{"hosts": 1, "procs": 4}``.
+    controller_pid : int or None
+        The controller's pid when it runs on this host (watched for exit).
+    heartbeat : float
+        Seconds between heartbeats.
+    heartbeat_timeout : float
+        Exit after this many seconds without hearing from the controller.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        key: bytes,
+        rank: int,
+        world_size: int,
+        shape: dict[str, int],
+        controller_pid: int | None = None,
+        heartbeat: float = 1.0,
+        heartbeat_timeout: float = 6.0,
+    ) -> None:
+        self.address = address
+        self.rank = rank
+        self.world_size = world_size
+        self.shape = shape
+        self.controller_pid = controller_pid
+        self.heartbeat = heartbeat
+        self.heartbeat_timeout = heartbeat_timeout
+        self.codec = protocol.Codec(key, f"r{rank}")
+        self.ctx = zmq.Context()
+        self.dealer = connect_dealer(self.ctx, address, f"r{rank}".encode())
+        self.pull, inproc = inproc_pair(self.ctx)
+        self.outbox = Outbox(self.ctx, inproc)
+        self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
+        self.current_parent: str | None = None
+        self.busy = False
+        self.stopping = threading.Event()
+        self.exit_code = 0
+        self.main_thread_id = threading.get_ident()
+        self.cell_count = 0
+        self.actors: dict[str, Any] = {}
+        self._decoders = {
+            n: codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for n in ("stdout", "stderr")
+        }
+        self.module = types.ModuleType("__main__")
+        self.module.__dict__.update(
+            {"__builtins__": builtins, "rank": rank, "world_size": world_size}
+        )
+        self.namespace = self.module.__dict__
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.capture: FdCapture | None = None
+        self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+
+    # ---------------------------------------------------------------- sending
+    def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
+        """Send a message to the controller from any thread.
+
+        Raises
+        ------
+        SerializationError
+            If ``content`` cannot be pickled.
+        """
+        self.outbox.send(self.codec.encode(type, content, parent))
+
+    def _on_output(self, name: str, data: bytes) -> None:
+        text = self._decoders[name].decode(data)
+        if text:
+            try:
+                self.send("stream", {"name": name, "text": text}, self.current_parent)
+            except Exception:  # the connection is closing; nowhere to send it
+                pass
+
+    # ------------------------------------------------------------ I/O thread
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        last_heard = last_sent = time.monotonic()
+        try:
+            while True:
+                events = dict(poller.poll(100))
+                if self.pull in events:
+                    while True:
+                        try:
+                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.dealer.send_multipart(frames, copy=False)
+                if self.stopping.is_set():
+                    break
+                if self.dealer in events:
+                    while True:
+                        try:
+                            frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            msg = self.codec.decode(frames)
+                        except ProtocolError as e:
+                            log.warning("rank %d dropped a message: %s", self.rank, e)
+                            continue
+                        last_heard = time.monotonic()
+                        self._dispatch(msg)
+                now = time.monotonic()
+                if now - last_sent >= self.heartbeat:
+                    last_sent = now
+                    self.dealer.send_multipart(self.codec.encode("heartbeat"), copy=False)
+                    if not self._controller_alive():
+                        log.warning("rank %d: the controller process is gone; exiting", self.rank)
+                        os._exit(0)
+                if now - last_heard > self.heartbeat_timeout:
+                    log.warning(
+                        "rank %d: no word from the controller for %.1f s; exiting",
+                        self.rank, now - last_heard,
+                    )
+                    os._exit(0)
+        finally:
+            self.dealer.close(0)
+            self.pull.close(0)
+
+    def _controller_alive(self) -> bool:
+        if self.controller_pid is None:
+            return True
+        try:
+            os.kill(self.controller_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def _dispatch(self, msg: protocol.Message) -> None:
+        if msg.type == "heartbeat":
+            return
+        if msg.type == "interrupt":
+            if self.busy:
+                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            return
+        if msg.type == "call":
+            from . import actor
+
+            actor.dispatch_call(self, msg)
+            return
+        self.requests.put(msg)
+
+    # ----------------------------------------------------------- main thread
+    def serve(self) -> int:
+        """Run the main loop until a ``stop`` request; returns the exit code."""
+        self.io_thread.start()
+        self.send(
+            "hello",
+            {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()},
+        )
+        while True:
+            try:
+                msg = self.requests.get()
+            except KeyboardInterrupt:  # an interrupt that arrived while idle
+                continue
+            if msg is None:
+                break
+            try:
+                self._handle(msg)
+            except KeyboardInterrupt:
+                pass
+            if msg.type == "stop":
+                break
+        return self.exit_code
+
+    def _handle(self, msg: protocol.Message) -> None:
+        handler = getattr(self, f"_do_{msg.type}", None)
+        self.current_parent = msg.id
+        self.busy = True
+        status, value = "ok", None
+        try:
+            if handler is None:
+                raise ValueError(f"unknown request type {msg.type!r}")
+            value = handler(msg.content)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            status, value = "error", self.describe_failure(e)
+        finally:
+            self.busy = False
+        self.reply(msg.id, status, value)
+
+    def reply(self, parent: str, status: str, value: Any) -> None:
+        """Send a reply after every output written so far (thread-safe)."""
+        if self.capture is not None:
+            self.capture.drain()
+        if self.current_parent == parent:
+            self.current_parent = None
+        try:
+            self.send("reply", {"status": status, "value": value}, parent)
+        except SerializationError as e:
+            if status == "ok":
+                failure = self.describe_failure(e, with_traceback=False)
+                failure["message"] = (
+                    f"rank {self.rank}: the result is a {_type_name(value)}, which cannot be "
+                    f"sent to the controller ({e.__cause__ or e}); return something picklable"
+                )
+            else:
+                failure = dict(value, exc=None)
+            self.send("reply", {"status": "error", "value": failure}, parent)
+
+    def describe_failure(self, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
+        """A picklable description of exception ``e`` (see errors.RemoteFailure)."""
+        tb = e.__traceback__
+        # drop this module's own frames from the top of the traceback
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        text = "".join(traceback.format_exception(type(e), e, tb)) if with_traceback else ""
+        exc: BaseException | None = e
+        try:
+            from . import serialize
+
+            serialize.dumps(e)
+        except SerializationError:
+            exc = None
+        e.__traceback__ = None
+        return {
+            "type": _type_name(e),
+            "message": str(e),
+            "traceback": text,
+            "exc": exc,
+        }
+
+    # ------------------------------------------------------------- requests
+    def _do_execute(self, content: dict[str, Any]) -> Any:
+        self.cell_count += 1
+        filename = content.get("filename") or f"<mesh-cell-{self.cell_count}>"
+        for name, lines in (content.get("sources") or {}).items():
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+        return self.run_cell(content["code"], filename)
+
+    def run_cell(self, code: str, filename: str) -> Any:
+        """Run ``code`` in the rank's namespace; return its last expression's value.
+
+        Top-level ``await`` is allowed (run on the worker's event loop).
+        """
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        tree = ast.parse(code, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        value = None
+        if tree.body:
+            self._run_code(compile(tree, filename, "exec", flags=flags))
+        if last is not None:
+            value = self._run_code(compile(last, filename, "eval", flags=flags))
+        return value
+
+    def _run_code(self, co: types.CodeType) -> Any:
+        result = eval(co, self.namespace)
+        if co.co_flags & _CO_COROUTINE:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            result = self.loop.run_until_complete(result)
+        return result
+
+    def _do_push(self, content: dict[str, Any]) -> None:
+        self.namespace.update(content)
+
+    def _do_pull(self, content: dict[str, Any]) -> list[Any]:
+        out = []
+        for name in content["names"]:
+            if name not in self.namespace:
+                raise NameError(f"name {name!r} is not defined")
+            out.append(self.namespace[name])
+        return out
+
+    def _do_setup(self, content: dict[str, Any]) -> None:
+        os.environ.update(content.get("env", {}))
+        backend = content.get("dist")
+        if backend and backend != "none":
+            import datetime
+
+            import torch
+            import torch.distributed as dist
+
+            if backend == "nccl":
+                local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+                if not torch.cuda.is_available():
+                    raise RuntimeError(
+                        f"--dist nccl needs a GPU, but rank {self.rank} sees none; "
+                        "use --dist gloo on CPU-only machines"
+                    )
+                torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            dist.init_process_group(
+                backend,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=float(content.get("timeout", 120))),
+            )
+            self.namespace.setdefault("dist", dist)
+            self.namespace.setdefault("torch", torch)
+
+    def _do_stop(self, content: Any) -> None:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    def _do_spawn_actor(self, content: dict[str, Any]) -> None:
+        from . import actor
+
+        actor.spawn_local(self, content)
+
+    def _do_stop_actor(self, content: dict[str, Any]) -> None:
+        from . import actor
+
+        actor.stop_local(self, content["name"])
+
+    def shutdown(self) -> None:
+        """Flush what is queued and close the connection."""
+        if self.capture is not None:
+            self.capture.drain()
+        self.stopping.set()
+        self.io_thread.join(timeout=2)
+
+
+def _type_name(obj: Any) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    mod = t.__module__
+    return t.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{t.__qualname__}"
+
+
+def _sigint(signum: int, frame: Any) -> None:
+    w = current
+    if w is not None and not w.busy:
+        return  # idle: nothing to interrupt
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m monarch_kernel.worker``.
+
+    The mesh key is read from the environment variable ``MONARCH_MESH_KEY``
+    (hex) and removed from the environment before any user code runs.
+    """
+    global current
+    p = argparse.ArgumentParser(prog="python -m monarch_kernel.worker")
+    p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--shape", default="", help='e.g. "hosts=1,procs=4"')
+    p.add_argument("--controller-pid", type=int, default=None)
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
+    p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
+    args = p.parse_args(argv)
+    key_hex = os.environ.pop("MONARCH_MESH_KEY", "")
+    if not key_hex:
+        p.error("MONARCH_MESH_KEY is not set; workers are started by a launcher")
+    shape = {}
+    for part in filter(None, args.shape.split(",")):
+        name, _, size = part.partition("=")
+        shape[name] = int(size)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[monarch worker {args.rank}] %(levelname)s %(message)s"
+    )
+    w = Worker(
+        args.controller,
+        bytes.fromhex(key_hex),
+        args.rank,
+        args.world_size,
+        shape or {"procs": args.world_size},
+        controller_pid=args.controller_pid,
+        heartbeat=args.heartbeat,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+    current = w
+    sys.modules["__main__"] = w.module
+    w.capture = FdCapture(w._on_output)
+    logging.getLogger().handlers[0].setStream(w.capture.log_stream())
+    signal.signal(signal.SIGINT, _sigint)
+    code = w.serve()
+    w.shutdown()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    # run the package's copy of this module, so `monarch_kernel.worker.current` is the one set
+    from monarch_kernel.worker import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Execute a notebook headless through a real Jupyter kernel and print what it shows.
+
+Usage::
+
+    python scripts/run_notebook.py notebooks/01_quickstart.ipynb [--kernel monarch]
+                                   [--timeout 600] [--out build/notebooks]
+
+Each cell's source is printed (shortened) as it starts, and its outputs
+(stream text, the text/plain of results and displays, errors with their
+tracebacks) as they arrive, so a rank's live output shows up live here too.
+The executed notebook is written to ``build/notebooks/<name>``. The exit
+status is 0 when every cell ran, 1 when a cell failed (or the kernel died).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+ROOT = Path(__file__).resolve().parent.parent
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+COLOR = sys.stdout.isatty()
+
+
+def _plain(text: str) -> str:
+    return text if COLOR else ANSI.sub("", text)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(_plain(text))
+    sys.stdout.flush()
+
+
+class PrintingClient(NotebookClient):
+    """A NotebookClient that echoes cell sources and outputs to stdout as they come."""
+
+    def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+        kind = msg["msg_type"]
+        content = msg["content"]
+        if kind == "stream":
+            _write(content.get("text", ""))
+        elif kind in ("execute_result", "display_data"):
+            data = content.get("data", {})
+            text = data.get("text/plain")
+            if text is None:
+                text = "<" + ", ".join(sorted(data)) + ">"
+            prefix = f"Out[{content['execution_count']}]: " if kind == "execute_result" else ""
+            _write(prefix + text + "\n")
+        elif kind == "error":
+            tb = content.get("traceback") or []
+            _write(
+                "\n".join(tb) + "\n" if tb else f"{content.get('ename')}: {content.get('evalue')}\n"
+            )
+        return super().process_message(msg, cell, cell_index)
+
+
+def _on_cell_start(cell: Any, cell_index: int, **_: Any) -> None:
+    if cell.get("cell_type") != "code":
+        return
+    lines = cell.source.splitlines() or [""]
+    shown = lines[:6] + ([f"... ({len(lines) - 6} more lines)"] if len(lines) > 6 else [])
+    _write(
+        f"\n----- cell {cell_index} "
+        + "-" * 50
+        + "\n"
+        + textwrap.indent("\n".join(shown), "  >> ")
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the notebook; see the module docstring. Returns the exit status."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("notebook", type=Path)
+    p.add_argument("--kernel", default="monarch", help="kernelspec name (default: monarch)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default: 600)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "build" / "notebooks",
+        help="folder for the executed notebook (default: build/notebooks)",
+    )
+    a = p.parse_args(argv)
+
+    nb_path = a.notebook.resolve()
+    nb = nbformat.read(nb_path, as_version=4)
+    client = PrintingClient(
+        nb,
+        kernel_name=a.kernel,
+        timeout=a.timeout,
+        on_cell_start=_on_cell_start,
+        resources={"metadata": {"path": str(nb_path.parent)}},
+    )
+    _write(f"Executing {nb_path} with kernel {a.kernel!r}\n")
+    status = 0
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        # The traceback was already printed as it arrived.
+        _write(f"\nFAILED: a cell raised {e.ename}: {e.evalue}\n")
+        status = 1
+    except DeadKernelError as e:
+        _write(f"\nFAILED: the kernel died: {e}\n")
+        status = 1
+    except TimeoutError as e:
+        _write(f"\nFAILED: timed out: {e}\n")
+        status = 1
+    finally:
+        a.out.mkdir(parents=True, exist_ok=True)
+        out = a.out / nb_path.name
+        nbformat.write(nb, out)
+        _write(f"\nExecuted notebook written to {out}\n")
+    _write("OK: every cell ran\n" if status == 0 else "")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
