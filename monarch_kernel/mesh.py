@@ -254,18 +254,22 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
                 a, _, b = part.partition(":")
                 lo = int(a) if a.strip() else 0
                 hi = int(b) if b.strip() else world_size
-                if lo >= hi:
-                    raise RankSpecError(
-                        f"rank range {part!r} is empty; write START:STOP with START < STOP "
-                        f"(STOP excluded), e.g. 0:{world_size}"
-                    )
-                rng = list(range(lo, hi))
             else:
-                rng = [int(part)]
+                lo = int(part)
+                hi = None
         except ValueError:
             raise RankSpecError(
                 f"bad rank spec {spec!r}; use a rank (2), a list (1,3) or a range (0:2)"
             ) from None
+        if hi is None:
+            rng = [lo]
+        elif lo >= hi:
+            raise RankSpecError(
+                f"rank range {part!r} is empty; write START:STOP with START < STOP "
+                f"(STOP excluded), e.g. 0:{world_size}"
+            )
+        else:
+            rng = list(range(lo, hi))
         for r in rng:
             if not 0 <= r < world_size:
                 raise RankSpecError(

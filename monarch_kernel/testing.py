@@ -77,9 +77,15 @@ class ExecResult:
         return None
 
     def error_text(self) -> str:
+        """The error's name, value and traceback without colours (from the
+        iopub ``error`` message, or the reply for errors shown as text)."""
         err = self.error()
         if err is None:
-            return ""
+            content = self.reply.get("content", {})
+            if content.get("status") != "error":
+                return ""
+            err = {"ename": content.get("ename", ""), "evalue": content.get("evalue", ""),
+                   "traceback": content.get("traceback", [])}
         import re
 
         text = "\n".join([err["ename"], err["evalue"], *err["traceback"]])

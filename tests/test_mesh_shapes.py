@@ -1,0 +1,42 @@
+"""Shapes, slicing, ValueMesh and rank specs (pure data structures)."""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_kernel.errors import MeshError, RankSpecError
+from monarch_kernel.mesh import Shape, ValueMesh, parse_ranks
+
+
+def test_slice_int_drops_dimension_and_slice_keeps_it():
+    s = Shape({"hosts": 2, "procs": 4})
+    assert s.slice(procs=1).dims == {"hosts": 2} and s.slice(procs=1).ranks == [1, 5]
+    sub = s.slice(hosts=1, procs=slice(0, 2))
+    assert sub.dims == {"procs": 2} and sub.ranks == [4, 5]
+    with pytest.raises(MeshError, match="no dimension"):
+        s.slice(gpus=0)
+    with pytest.raises(MeshError, match="out of range"):
+        s.slice(procs=4)
+
+
+def test_value_mesh_items_and_repr():
+    vm = ValueMesh(Shape({"hosts": 1, "procs": 3}), [10, 11, 12])
+    assert [p.rank for p, _ in vm.items()] == [0, 1, 2]
+    assert vm.item(hosts=0, procs=1) == 11
+    assert "ValueMesh" in repr(vm) and "<table>" in vm._repr_html_()
+    assert vm.slice(procs=slice(1, 3)).values() == [11, 12]
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("0", [0]), ("1,3", [1, 3]), ("0:2", [0, 1]), ("all", [0, 1, 2, 3]), ("2:", [2, 3]),
+])
+def test_parse_ranks(spec, expected):
+    assert parse_ranks(spec, 4) == expected
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("9", "does not exist"), ("3:1", "empty"), ("a", "bad rank spec"), ("-1", "does not exist"),
+])
+def test_parse_ranks_errors(spec, match):
+    with pytest.raises(RankSpecError, match=match):
+        parse_ranks(spec, 4)

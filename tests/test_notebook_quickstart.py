@@ -1,0 +1,31 @@
+"""The main job: notebooks/01_quickstart.ipynb under nbclient with the monarch kernel."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+from monarch_kernel.testing import worker_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_notebook_trains_to_90_percent():
+    nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
+    client = NotebookClient(nb, kernel_name="monarch", timeout=600, allow_errors=False)
+    client.execute()
+    texts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                texts.append(out["text"])
+    joined = "".join(texts)
+    m = re.search(r"held-out accuracy per rank: \[([^\]]*)\]", joined)
+    assert m, joined[-2000:]
+    accs = [float(x) for x in m.group(1).split(",")]
+    assert len(accs) == 4 and min(accs) >= 0.90 and max(accs) == min(accs)
+    assert re.search(r"\[\d\] epoch \d+ +loss", joined)  # live, rank-tagged loss lines
+    assert not worker_pids(), "workers left after the notebook"
