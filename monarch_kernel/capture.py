@@ -5,6 +5,11 @@ processes all write into them. A reader thread forwards what arrives as it
 arrives; :meth:`FdCapture.drain` lets the main thread push out everything
 written so far before it sends a reply, so a reply never overtakes the
 output that came before it.
+
+When the launcher made the pipes (the ``local`` launcher does), it keeps
+their read ends too: if the worker dies with output still in a pipe, the
+controller reads it from there, so what a rank wrote before dying is not
+lost.
 """
 
 from __future__ import annotations
@@ -29,9 +34,15 @@ class FdCapture:
     on_output : callable(name: str, data: bytes) -> None
         Called (from the reader thread, or from :meth:`drain`) with
         ``"stdout"`` or ``"stderr"`` and the bytes read.
+    read_fds : tuple of (int, int), optional
+        Read ends of pipes that fds 1 and 2 already write to (made by the
+        launcher); when None, new pipes are made here.
+    log_fd : int, optional
+        Where the worker's own log goes; the original fd 2 by default.
     """
 
-    def __init__(self, on_output: Callable[[str, bytes], None]) -> None:
+    def __init__(self, on_output: Callable[[str, bytes], None],
+                 read_fds: tuple[int, int] | None = None, log_fd: int | None = None) -> None:
         self._on_output = on_output
         self._lock = threading.Lock()
         self.original: dict[int, int] = {}
@@ -42,12 +53,16 @@ class FdCapture:
                 sys_stream.flush()
             except (AttributeError, ValueError, OSError):
                 pass
-            self.original[fd] = os.dup(fd)
-            r, w = os.pipe()
+            if read_fds is not None:
+                r = read_fds[fd - 1]
+            else:
+                self.original[fd] = os.dup(fd)
+                r, w = os.pipe()
+                os.dup2(w, fd)
+                os.close(w)
             os.set_blocking(r, False)
-            os.dup2(w, fd)
-            os.close(w)
             self._read[r] = name
+        self._log_fd = log_fd if log_fd is not None else self.original.get(2, 2)
         # Python-level streams write straight through to the captured fds
         sys.stdout = io.TextIOWrapper(
             io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace",
@@ -65,7 +80,7 @@ class FdCapture:
     def log_stream(self) -> io.TextIOWrapper:
         """A text stream on the worker's original stderr (for its own logs)."""
         return io.TextIOWrapper(
-            io.FileIO(self.original[2], "w", closefd=False), line_buffering=True,
+            io.FileIO(self._log_fd, "w", closefd=False), line_buffering=True,
             write_through=True,
         )
 

@@ -185,7 +185,9 @@ class Controller:
         self._hello = threading.Condition(self._lock)
         self._closed = threading.Event()
         self.poll_exits: Callable[[], dict[int, int]] | None = None  # set by the launcher
+        self.leftover_output: Callable[[int], list[tuple[str, bytes]]] | None = None
         self.local_ranks: set[int] = set()
+        self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
         self.listeners: list[Callable[[str, int, Any], None]] = []
         self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
                                         daemon=True)
@@ -208,12 +210,21 @@ class Controller:
         """
         ranks = list(ranks)
         with self._lock:
+            starting = []
             for r in ranks:
                 info = self.ranks.get(r)
                 if info is None:
                     raise MeshFailure(f"rank {r} is not part of this mesh", rank=r)
                 if info.state in ("dead", "stopped"):
-                    raise self.rank_failure(r)
+                    err = self.rank_failure(r)
+                    if info.state == "dead":
+                        err.args = (f"{err.args[0]}\nRestart it with  %mesh restart {r}  "
+                                    f"(or mesh.restart({r})).",)
+                    raise err
+                if info.state == "starting":
+                    starting.append(r)
+        if starting:  # being restarted: wait for it rather than send into the void
+            self.wait_ready(starting, self.restart_timeout)
         mid = self.codec.new_id()
         frames = self.codec.encode(type, content, id=mid)
         req = Request(mid, ranks)
@@ -374,6 +385,8 @@ class Controller:
                 log.exception("polling worker processes failed")
                 exits = {}
             for rank, code in exits.items():
+                if self.leftover_output is not None:
+                    self._deliver_leftover(rank)
                 self.mark_dead(rank, code)
         limit = 3 * self.heartbeat + 0.5
         for r, info in list(self.ranks.items()):
@@ -418,14 +431,7 @@ class Controller:
             return
         if t == "stream":
             c = msg.content
-            self._remember_output(info, c["text"])
-            req = self.pending.get(msg.parent or "")
-            if req is not None:
-                req.events.put(("stream", rank, c["name"], c["text"]))
-            elif self.on_output is not None:
-                self.on_output(rank, c["name"], c["text"])
-            else:
-                log.info("[%d] %s", rank, c["text"].rstrip("\n"))
+            self._deliver_stream(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
             return
         if t == "display":
             req = self.pending.get(msg.parent or "")
@@ -450,6 +456,33 @@ class Controller:
                 self.on_event(rank, msg.content)
             self._notify_listeners("event", rank, msg.content)
             return
+
+    def _deliver_stream(self, rank: int, name: str, text: str, req: Request | None) -> None:
+        self._remember_output(self.ranks[rank], text)
+        if req is not None:
+            req.events.put(("stream", rank, name, text))
+        elif self.on_output is not None:
+            self.on_output(rank, name, text)
+        else:
+            log.info("[%d] %s", rank, text.rstrip("\n"))
+
+    def _deliver_leftover(self, rank: int) -> None:
+        """Forward what a dead rank wrote but never sent (read from the launcher's pipes)."""
+        try:
+            chunks = self.leftover_output(rank) if self.leftover_output else []
+        except Exception:  # noqa: BLE001
+            log.exception("reading the output of dead rank %d failed", rank)
+            return
+        with self._lock:
+            waiting = [q for q in self.pending.values()
+                       if rank in q.ranks and rank not in q.replies]
+        for name, data in chunks:
+            text = data.decode("utf-8", errors="replace")
+            if waiting:
+                for q in waiting:
+                    self._deliver_stream(rank, name, text, q)
+            else:
+                self._deliver_stream(rank, name, text, None)
 
     @staticmethod
     def _remember_output(info: RankInfo, text: str) -> None:

@@ -98,6 +98,16 @@ class MeshFailure(MeshError):
         self.pid = pid
         self.exitcode = exitcode
         self.last_output = last_output
+        self.others: list[BaseException] = []
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the failure, then what other ranks raised."""
+        lines = [f"\x1b[1;31mMeshFailure\x1b[0m: {self}"]
+        for other in self.others:
+            lines.append("")
+            render = getattr(other, "_render_traceback_", None)
+            lines.extend(render() if render else [f"{type(other).__name__}: {other}"])
+        return lines
 
 
 class SerializationError(MonarchError):

@@ -59,6 +59,8 @@ class ProcMesh:
         self._stopped = False
         self._cell = 0
         self._lock = threading.Lock()
+        self.spec: LaunchSpec | None = None  # how the root mesh was launched
+        self.supervisor: Any = None
 
     # --------------------------------------------------------------- shape
     @property
@@ -212,6 +214,30 @@ class ProcMesh:
 
         return spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
+    def dashboard(self, interval: float = 1.0, history: float = 60.0, layout: str = "auto"
+                  ) -> Any:
+        """A live ipywidgets dashboard of this mesh's ranks (CPU, memory, GPU).
+
+        See :class:`monarch_kernel.ui.dashboard.Dashboard` for the parameters.
+        """
+        from .ui.dashboard import Dashboard
+
+        return Dashboard(self, interval=interval, history=history, layout=layout)
+
+    # ------------------------------------------------------------- recovery
+    def restart(self, ranks: int | list[int] | None = None, timeout: float = 120.0) -> None:
+        """Replace ``ranks`` (default: this mesh's ranks) with fresh processes.
+
+        See :func:`monarch_kernel.supervision.restart_ranks`.
+        """
+        from .supervision import restart_ranks
+
+        if ranks is None:
+            ranks = self.ranks
+        elif isinstance(ranks, int):
+            ranks = [ranks]
+        restart_ranks(self, list(ranks), timeout)
+
     # --------------------------------------------------------------- closing
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every worker of the (root) mesh and close the controller.
@@ -246,7 +272,9 @@ class ProcMesh:
 def raise_failures(req: Request, actor: str | None = None) -> None:
     """Raise what went wrong with ``req``, if anything (see :meth:`ProcMesh.collect`)."""
     failures = req.failures(actor)
-    if req.failure is not None and not failures:
+    if req.failure is not None:
+        if failures:  # ranks that failed too (often because of the dead one)
+            req.failure.others = [remote_exception(g) for g in group_failures(failures)]
         raise req.failure
     if failures:
         from .errors import ActorError
@@ -270,6 +298,9 @@ def spawn_procs(
     timeout: float = 120.0,
     on_output: Any = None,
     launcher_options: dict[str, Any] | None = None,
+    telemetry_interval: float = 1.0,
+    restart: str = "never",
+    max_restarts: int = 3,
 ) -> ProcMesh:
     """Start a mesh of worker processes.
 
@@ -290,6 +321,14 @@ def spawn_procs(
         Seconds between heartbeats.
     timeout : float
         Seconds to wait for every worker to connect (and set up).
+    telemetry_interval : float
+        Seconds between each worker's telemetry samples (CPU, memory, GPU;
+        see :mod:`monarch_kernel.telemetry`); 0 turns telemetry off.
+
+    restart : {"never", "on-failure"}
+        Restart ranks that die automatically (:mod:`.supervision`).
+    max_restarts : int
+        Restart budget of the whole mesh with ``restart="on-failure"``.
 
     Returns
     -------
@@ -298,7 +337,7 @@ def spawn_procs(
     Raises
     ------
     MeshError
-        For a bad shape or backend.
+        For a bad shape, backend or restart policy.
     MeshFailure
         If a worker died while starting.
     TimeoutError
@@ -309,6 +348,10 @@ def spawn_procs(
     sh = Shape(shape)
     if dist not in (None, *DIST_BACKENDS):
         raise MeshError(f"unknown --dist backend {dist!r}; use gloo, nccl or none")
+    from .supervision import RESTART_POLICIES, Supervisor
+
+    if restart not in RESTART_POLICIES:
+        raise MeshError(f"unknown restart policy {restart!r}; use never or on-failure")
     n = len(sh)
     if n > 4096:
         raise MeshError(f"{n} ranks is more than this controller supports (4096)")
@@ -321,9 +364,11 @@ def spawn_procs(
     mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
     ctl.expect(ranks, local=la.local)
-    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat)
-    if la.local:
-        ctl.poll_exits = la.poll
+    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat,
+                      telemetry_interval=telemetry_interval)
+    mesh.spec = spec
+    ctl.poll_exits = la.poll
+    ctl.leftover_output = la.leftover_output
     try:
         la.launch(spec)
         ctl.wait_ready(ranks, timeout)
@@ -332,6 +377,8 @@ def spawn_procs(
     except BaseException:
         mesh.stop(timeout=2)
         raise
+    if restart == "on-failure":
+        mesh.supervisor = Supervisor(mesh, max_restarts)
     _live.add(mesh)
     return mesh
 

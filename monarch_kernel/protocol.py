@@ -51,7 +51,7 @@ TYPES = frozenset(
         "reply",  # {status: ok|error, value | failure}: answer to a request
         "stream",  # {name: stdout|stderr, text}
         "display",  # {data, metadata, transient}: rich output from a rank
-        "state",  # {state, detail}: idle / running / paused ...
+        "state",  # telemetry record {activity, cpu, rss, uss, gpu, ...}: see telemetry.py
         "event",  # {kind, ...}: asynchronous reports (broadcast failures, ...)
         # controller -> worker
         "execute",  # {code, cell_id, sources}: run a cell
@@ -139,6 +139,14 @@ class Codec:
         self._lock = threading.Lock()
         self._seen: set[str] = set()
         self._seen_order: collections.deque[str] = collections.deque()
+
+    def fork(self, sender: str) -> Codec:
+        """A codec with the same key and limits, a new sender name, its own
+        message ids and its own replay window (for a second socket of one
+        process, e.g. a worker's peer-to-peer actor socket)."""
+        c = Codec(b"-", sender, self.max_header, self.max_buffers)
+        c._hmac = self._hmac.copy()
+        return c
 
     def new_id(self) -> str:
         """A message id unique to this codec."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from . import protocol
+from . import protocol, telemetry
 from .capture import FdCapture
 from .errors import ProtocolError, SerializationError
 from .transport import Outbox, connect_dealer, inproc_pair
@@ -103,6 +103,8 @@ class Worker:
         self.exit_code = 0
         self.main_thread_id = threading.get_ident()
         self.cell_count = 0
+        self.telemetry_interval = telemetry.DEFAULT_INTERVAL  # seconds; 0: off
+        self.telemetry: telemetry.TelemetryThread | None = None
         self.actors: dict[str, Any] = {}
         self._decoders = {
             n: codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -217,6 +219,7 @@ class Worker:
             "hello",
             {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()},
         )
+        self.telemetry = telemetry.start(self, self.telemetry_interval)
         while True:
             try:
                 msg = self.requests.get()
@@ -236,6 +239,7 @@ class Worker:
         handler = getattr(self, f"_do_{msg.type}", None)
         self.current_parent = msg.id
         self.busy = True
+        telemetry.set_activity(telemetry.request_activity(msg.type))
         status, value = "ok", None
         try:
             if handler is None:
@@ -245,6 +249,7 @@ class Worker:
             status, value = "error", self.describe_failure(e)
         finally:
             self.busy = False
+            telemetry.set_activity(None)
         self.reply(msg.id, status, value)
 
     def reply(self, parent: str, status: str, value: Any) -> None:
@@ -342,6 +347,11 @@ class Worker:
             import torch
             import torch.distributed as dist
 
+            if dist.is_initialized():  # a restart of the mesh: join the new group
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - the old group may be broken
+                    pass
             if backend == "nccl":
                 local_rank = int(os.environ.get("LOCAL_RANK", "0"))
                 if not torch.cuda.is_available():
@@ -367,10 +377,10 @@ class Worker:
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
 
-    def _do_spawn_actor(self, content: dict[str, Any]) -> None:
+    def _do_spawn_actor(self, content: dict[str, Any]) -> Any:
         from . import actor
 
-        actor.spawn_local(self, content)
+        return actor.spawn_local(self, content)  # {"peer": this worker's actor address}
 
     def _do_stop_actor(self, content: dict[str, Any]) -> None:
         from . import actor
@@ -413,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-pid", type=int, default=None)
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
+    p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,
+                   help="seconds between telemetry samples; 0 turns telemetry off")
     args = p.parse_args(argv)
     key_hex = os.environ.pop("MONARCH_MESH_KEY", "")
     if not key_hex:
@@ -434,9 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat=args.heartbeat,
         heartbeat_timeout=args.heartbeat_timeout,
     )
+    w.telemetry_interval = args.telemetry_interval
     current = w
     sys.modules["__main__"] = w.module
-    w.capture = FdCapture(w._on_output)
+    fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
+    log_fd = os.environ.pop("MONARCH_LOG_FD", "")
+    read_fds = tuple(int(x) for x in fds.split(",")) if fds else None
+    w.capture = FdCapture(w._on_output, read_fds=read_fds,  # type: ignore[arg-type]
+                          log_fd=int(log_fd) if log_fd else None)
     logging.getLogger().handlers[0].setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
     code = w.serve()

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_notebook_trains_to_90_percent():
+    before = set(worker_pids())
     nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
     client = NotebookClient(nb, kernel_name="monarch", timeout=600, allow_errors=False)
     client.execute()
@@ -28,4 +29,5 @@ def test_quickstart_notebook_trains_to_90_percent():
     accs = [float(x) for x in m.group(1).split(",")]
     assert len(accs) == 4 and min(accs) >= 0.90 and max(accs) == min(accs)
     assert re.search(r"\[\d\] epoch \d+ +loss", joined)  # live, rank-tagged loss lines
-    assert not worker_pids(), "workers left after the notebook"
+    left = set(worker_pids()) - before
+    assert not left, f"workers left after the notebook: {left}"

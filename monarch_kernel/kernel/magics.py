@@ -35,7 +35,9 @@ USAGE = """\
 %%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
 %mesh push NAME [NAME ...]                   copy notebook variables to every rank
 x = %mesh pull NAME                          a ValueMesh of NAME from every rank
-%mesh status                                 rank, host, pid, state
+%mesh status                                 rank, host, pid, state, cpu, memory, gpu
+%mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
+%mesh restart RANKS                          replace ranks with fresh processes
 %mesh stop [--all]                           stop the mesh's workers"""
 
 
@@ -150,7 +152,14 @@ class MeshMagics(Magics):
         p.add_argument("--name", default="mesh")
         p.add_argument("--heartbeat", type=float, default=1.0)
         p.add_argument("--timeout", type=float, default=120.0)
+        p.add_argument("--restart", choices=["never", "on-failure"], default="never")
+        p.add_argument("--max-restarts", type=int, default=3)
+        p.add_argument("--telemetry-interval", type=float, default=1.0)
         a = p.parse_args(argv)
+        if a.telemetry_interval < 0:
+            raise UsageError("%mesh spawn: --telemetry-interval must be 0 (off) or more seconds")
+        if a.max_restarts < 0:
+            raise UsageError("%mesh spawn: --max-restarts must be 0 or more")
         dims = parse_shape(a.size)
         if not a.name.isidentifier():
             raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
@@ -161,7 +170,9 @@ class MeshMagics(Magics):
         t0 = time.monotonic()
         try:
             m = spawn_procs(dims, dist=a.dist, launcher=a.launcher, bind=a.bind,
-                            heartbeat=a.heartbeat, timeout=a.timeout)
+                            restart=a.restart, max_restarts=a.max_restarts,
+                            heartbeat=a.heartbeat, timeout=a.timeout,
+                            telemetry_interval=a.telemetry_interval)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         self.meshes[a.name] = m
@@ -184,6 +195,22 @@ class MeshMagics(Magics):
         m.stop()
         print(f"mesh {self.current!r} stopped ({len(m)} ranks)")
         self.meshes.pop(self.current or "", None)
+
+    def _cmd_restart(self, argv: list[str]) -> None:
+        p = _parser("restart")
+        p.add_argument("ranks", help="a rank spec: 3, 1,2, 0:4 or all")
+        p.add_argument("--timeout", type=float, default=120.0)
+        a = p.parse_args(argv)
+        m = self.current_mesh()
+        try:
+            ranks = parse_ranks(a.ranks, m.world_size)
+        except RankSpecError as e:
+            raise UsageError(f"%mesh restart: {e}") from None
+        t0 = time.monotonic()
+        m.restart(ranks, timeout=a.timeout)
+        again = " and torch.distributed set up again" if m.dist else ""
+        print(f"restarted rank{'s' if len(ranks) > 1 else ''} {a.ranks} in "
+              f"{time.monotonic() - t0:.2f} s{again}")
 
     def _cmd_push(self, argv: list[str]) -> None:
         if not argv:
@@ -213,6 +240,17 @@ class MeshMagics(Magics):
 
         return StatusTable(self.current_mesh())
 
+    def _cmd_dashboard(self, argv: list[str]) -> Any:
+        p = _parser("dashboard")
+        p.add_argument("--interval", type=float, default=1.0)
+        p.add_argument("--history", type=float, default=60.0)
+        p.add_argument("--layout", choices=["auto", "rows", "heatmap"], default="auto")
+        a = p.parse_args(argv)
+        if a.interval <= 0 or a.history <= 0:
+            raise UsageError("%mesh dashboard: --interval and --history must be positive seconds")
+        return self.current_mesh().dashboard(interval=a.interval, history=a.history,
+                                             layout=a.layout)
+
     # --------------------------------------------------------------- cells
     def _cell(self, line: str, cell: str) -> Any:
         p = _parser("%%mesh")
@@ -231,6 +269,12 @@ class MeshMagics(Magics):
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
         req = m.run(cell, ranks)
         self._wait(m, req, a.timeout)
+        if req.failure is not None:
+            # fail fast: a rank died; stop what the others are still running
+            running = [r for r in ranks if r not in req.replies
+                       and m.controller.ranks[r].state == "busy"]
+            if running:
+                m.interrupt(running)
         vm = m.collect(req, ranks)
         if all(v is None for v in vm.values()):
             return None

@@ -39,6 +39,8 @@ class LaunchSpec:
         Seconds between heartbeats.
     controller_pid : int or None
         Set when workers run on the controller's host.
+    telemetry_interval : float
+        Seconds between a worker's telemetry samples; 0 turns telemetry off.
     """
 
     address: str
@@ -48,6 +50,7 @@ class LaunchSpec:
     env: dict[int, dict[str, str]] = field(default_factory=dict)
     heartbeat: float = 1.0
     controller_pid: int | None = None
+    telemetry_interval: float = 1.0
 
     @property
     def world_size(self) -> int:
@@ -75,7 +78,8 @@ def worker_command(spec: LaunchSpec, rank: int | None = None, python: str | None
            "--world-size", str(spec.world_size),
            "--shape", ",".join(f"{k}={v}" for k, v in spec.shape.items()),
            "--heartbeat", str(spec.heartbeat),
-           "--heartbeat-timeout", str(max(6.0, 6 * spec.heartbeat))]
+           "--heartbeat-timeout", str(max(6.0, 6 * spec.heartbeat)),
+           "--telemetry-interval", str(spec.telemetry_interval)]
     if rank is not None:
         cmd += ["--rank", str(rank)]
     if spec.controller_pid is not None:
@@ -107,6 +111,15 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def signal(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
         """Send ``sig`` to the processes of ``ranks``."""
+
+    def forget(self, ranks: list[int]) -> None:
+        """Stop reporting exits of the current processes of ``ranks``: they are
+        about to be replaced by :meth:`launch` (a restart)."""
+
+    def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
+        """Output a dead rank wrote that never reached the controller, as
+        ``(stream name, bytes)`` pairs (launchers that cannot know return [])."""
+        return []
 
     @abc.abstractmethod
     def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:

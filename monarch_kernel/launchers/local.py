@@ -27,6 +27,7 @@ class LocalLauncher(Launcher):
 
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
+        self.pipes: dict[int, tuple[int, int]] = {}
         self._reported: set[int] = set()
         self._lock = threading.Lock()
         self.host = socket.gethostname()
@@ -39,17 +40,68 @@ class LocalLauncher(Launcher):
         for rank in spec.ranks:
             env = dict(base)
             env.update(spec.env.get(rank, {}))
-            proc = subprocess.Popen(
-                worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            # fds 1 and 2 of the worker are pipes whose read ends both sides keep:
+            # the worker reads them while it lives, we read what is left if it dies
+            r1, w1 = os.pipe()
+            r2, w2 = os.pipe()
+            log_fd = os.dup(2)
+            env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
+            env["MONARCH_LOG_FD"] = str(log_fd)
+            try:
+                proc = subprocess.Popen(
+                    worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
+                    stdout=w1, stderr=w2, pass_fds=(r1, r2, log_fd), start_new_session=True,
+                )
+            finally:
+                os.close(w1)
+                os.close(w2)
+                os.close(log_fd)
+            os.set_blocking(r1, False)
+            os.set_blocking(r2, False)
             with self._lock:
                 old = self.procs.get(rank)
                 if old is not None and old.poll() is None:
                     old.kill()
                     old.wait(5)
+                self._close_pipes(rank)
                 self.procs[rank] = proc
+                self.pipes[rank] = (r1, r2)
                 self._reported.discard(rank)
+
+    def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
+        """What a dead rank wrote that its own reader never forwarded."""
+        out = []
+        with self._lock:
+            fds = self.pipes.get(rank)
+            if fds is None:
+                return out
+            for name, fd in zip(("stdout", "stderr"), fds):
+                chunks = []
+                while True:
+                    try:
+                        data = os.read(fd, 65536)
+                    except (BlockingIOError, OSError):
+                        break
+                    if not data:
+                        break
+                    chunks.append(data)
+                if chunks:
+                    out.append((name, b"".join(chunks)))
+            self._close_pipes(rank)
+        return out
+
+    def _close_pipes(self, rank: int) -> None:
+        for fd in self.pipes.pop(rank, ()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def forget(self, ranks: list[int]) -> None:
+        """Never report the current processes of ``ranks`` as exited (they are
+        being replaced)."""
+        with self._lock:
+            self._reported.update(ranks)
 
     def placements(self) -> dict[int, Placement]:
         return {r: Placement(r, self.host, p.pid) for r, p in self.procs.items()}
@@ -90,3 +142,7 @@ class LocalLauncher(Launcher):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        with self._lock:
+            for r in list(self.pipes):
+                if ranks is None or r in ranks:
+                    self._close_pipes(r)

@@ -1,19 +1,126 @@
 """``%mesh status``: one row per rank, as HTML in a notebook and as a ``rich``
-table in a terminal frontend (``jupyter console`` shows ``text/plain``)."""
+table in a terminal frontend (``jupyter console`` shows ``text/plain``).
+
+Columns: rank, host, (job), pid, state (what the rank is doing: idle,
+running cell, running endpoint NAME, paused, or dead with how it died), cpu
+(% of one core over the last telemetry interval), rss and uss (memory),
+threads, gpu (utilization %) and gpu mem (device memory used / total, and
+what torch holds), msgs (messages in / out at the controller). GPU columns
+say "no GPU" where the rank's host has none. The figures come from each
+worker's telemetry (:mod:`monarch_kernel.telemetry`); the helpers here
+format them for the dashboard too.
+"""
 
 from __future__ import annotations
 
 import html
 import io
+import signal
 from typing import Any
 
-__all__ = ["StatusTable", "COLUMNS"]
+__all__ = ["StatusTable", "COLUMNS", "fmt_bytes", "fmt_pct", "state_text", "gpu_texts",
+           "figures"]
 
-COLUMNS = [("rank", "rank"), ("host", "host"), ("pid", "pid"), ("state", "state")]
+COLUMNS = [("rank", "rank"), ("host", "host"), ("pid", "pid"), ("state", "state"),
+           ("cpu", "cpu"), ("rss", "rss"), ("uss", "uss"), ("threads", "threads"),
+           ("gpu", "gpu"), ("gpu_mem", "gpu mem"), ("msgs", "msgs in/out")]
+
+NO_GPU = "no GPU"
 
 
-def _fmt(value: Any) -> str:
-    return "" if value is None else str(value)
+def fmt_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``""``."""
+    if n is None:
+        return ""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.0f} {unit}" if abs(n) >= 100 else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def fmt_pct(p: float | None) -> str:
+    """``12.345`` -> ``"12%"``, ``3.2`` -> ``"3.2%"``; None -> ``""``."""
+    if p is None:
+        return ""
+    return f"{p:.0f}%" if p >= 10 else f"{p:.1f}%"
+
+
+def _exit_text(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def state_text(state: str, activity: str | None = None, exitcode: int | None = None) -> str:
+    """What a rank is doing, in a few words.
+
+    Parameters
+    ----------
+    state : str
+        The controller's state: starting, idle, busy, dead or stopped.
+    activity : str or None
+        The worker's own report (telemetry): idle, running cell, ...
+    exitcode : int or None
+        For dead ranks: the exit code (negative: killed by that signal).
+    """
+    if state == "dead":
+        return f"dead ({_exit_text(exitcode)})"
+    if state in ("stopped", "starting"):
+        return state
+    if activity:
+        return activity
+    return "running" if state == "busy" else state
+
+
+def live(row: dict[str, Any]) -> bool:
+    """True when the row's telemetry figures describe a running process."""
+    return row.get("state") not in ("dead", "stopped", "starting") and "cpu" in row
+
+
+def gpu_texts(gpu: dict[str, Any] | None) -> tuple[str, str]:
+    """(utilization, memory) texts of a telemetry ``gpu`` entry (``"no GPU"`` for None)."""
+    if gpu is None:
+        return NO_GPU, NO_GPU
+    util = fmt_pct(gpu.get("util")) if gpu.get("util") is not None else ""
+    mem = ""
+    if gpu.get("mem_total"):
+        mem = f"{fmt_bytes(gpu.get('mem_used'))} / {fmt_bytes(gpu['mem_total'])}"
+    torch_mem = gpu.get("torch_reserved")
+    if torch_mem is not None:
+        mem += f" (torch {fmt_bytes(gpu.get('torch_allocated'))}/{fmt_bytes(torch_mem)})"
+    elif gpu.get("proc_mem") is not None:
+        mem += f" (this rank {fmt_bytes(gpu['proc_mem'])})"
+    idx = f"#{gpu['index']} " if gpu.get("index") is not None else ""
+    return (idx + util).strip(), mem.strip()
+
+
+def figures(row: dict[str, Any]) -> dict[str, str]:
+    """The text of every column for one ``ProcMesh.status()`` row."""
+    out = {
+        "rank": str(row.get("rank", "")),
+        "host": row.get("host") or "",
+        "job": row.get("job") or "",
+        "pid": "" if row.get("pid") is None else str(row["pid"]),
+        "state": state_text(row.get("state", ""), row.get("activity"), row.get("exitcode")),
+        "msgs": f"{row.get('messages_in', 0)}/{row.get('messages_out', 0)}",
+    }
+    if live(row):
+        gpu, gpu_mem = gpu_texts(row.get("gpu"))
+        out.update(cpu=fmt_pct(row.get("cpu")), rss=fmt_bytes(row.get("rss")),
+                   uss=fmt_bytes(row.get("uss")), threads=str(row.get("threads", "")),
+                   gpu=gpu, gpu_mem=gpu_mem)
+    else:
+        out.update(cpu="", rss="", uss="", threads="", gpu="", gpu_mem="")
+    return out
 
 
 class StatusTable:
@@ -22,6 +129,7 @@ class StatusTable:
     Parameters
     ----------
     mesh : ProcMesh
+        Anything with ``shape.dims`` and ``status()`` (rows of dicts).
     """
 
     def __init__(self, mesh: Any) -> None:
@@ -30,29 +138,35 @@ class StatusTable:
         self.columns = list(COLUMNS)
         if any(r.get("job") for r in self.rows):
             self.columns.insert(2, ("job", "job"))
+        if not any("cpu" in r for r in self.rows):  # telemetry off: no empty columns
+            self.columns = [c for c in self.columns
+                            if c[0] in ("rank", "host", "job", "pid", "state", "msgs")]
 
     def _cells(self, row: dict[str, Any]) -> list[str]:
-        return [_fmt(row.get(key)) for key, _ in self.columns]
+        f = figures(row)
+        return [f.get(key, "") for key, _ in self.columns]
 
     def __repr__(self) -> str:
         from rich.console import Console
         from rich.table import Table
 
         table = Table(title=f"mesh {self.dims}")
-        for _, title in self.columns:
-            table.add_column(title)
+        for key, title in self.columns:
+            table.add_column(title, justify="right" if key in (
+                "rank", "pid", "cpu", "rss", "uss", "threads") else "left")
         for row in self.rows:
             table.add_row(*self._cells(row))
         buf = io.StringIO()
-        Console(file=buf, width=120, force_terminal=False, force_jupyter=False,
+        Console(file=buf, width=160, force_terminal=False, force_jupyter=False,
                 color_system=None).print(table)
         return buf.getvalue().rstrip("\n")
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(t)}</th>" for _, t in self.columns)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>"
-            for r in self.rows
-        )
+        body = []
+        for r in self.rows:
+            style = ' style="color:#b71c1c"' if r.get("state") == "dead" else ""
+            body.append(f"<tr{style}>" + "".join(
+                f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>")
         return (f"<div><b>mesh</b> {html.escape(str(self.dims))}<table><thead><tr>{head}"
-                f"</tr></thead><tbody>{body}</tbody></table></div>")
+                f"</tr></thead><tbody>{''.join(body)}</tbody></table></div>")

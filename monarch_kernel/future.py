@@ -1,0 +1,237 @@
+"""Futures: the results of actor calls, from threads and from asyncio alike.
+
+A :class:`Future` is completed by an I/O thread (the controller's, or a
+worker's peer thread) and read by anyone: ``future.get(timeout=...)``
+blocks the calling thread on a :class:`threading.Event`, and ``await
+future`` suspends a coroutine on whatever asyncio loop is running (a
+Jupyter kernel's, an actor's own). Neither needs the other: ``.get()`` in a
+notebook cell, where the kernel's loop is running, neither deadlocks nor
+warns, because completing a future never needs that loop.
+
+The value is computed lazily, once, in the first thread that asks for it
+(unpickling a large reply happens in the caller's thread, not in an I/O
+thread). The idea of one future that is both blocking and awaitable comes
+from PyTorch Monarch's ``Future``; its thread-safety model from
+:class:`concurrent.futures.Future`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Future"]
+
+T = TypeVar("T")
+
+_NOT_YET = object()
+
+
+class Future(Generic[T]):
+    """The eventual result of an actor call.
+
+    Parameters
+    ----------
+    pump : callable(final: bool) -> None, optional
+        Called about every 50 ms while a thread or coroutine waits, and once
+        with ``final=True`` after completion (shows the endpoint's output).
+    guard : callable() -> None, optional
+        Called before blocking; raises instead of waiting forever (an actor
+        waiting for its own endpoint).
+
+    Notes
+    -----
+    Futures are made by the adverbs of an endpoint (``call``,
+    ``call_one``, ``choose``, ``stream``), not by users.
+    """
+
+    __slots__ = ("_event", "_lock", "_finalizer", "_outcome", "_callbacks", "_pump", "_guard",
+                 "__weakref__")
+
+    def __init__(self, pump: Callable[[bool], None] | None = None,
+                 guard: Callable[[], None] | None = None) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._finalizer: Callable[[], T] | None = None
+        self._outcome: Any = _NOT_YET
+        self._callbacks: list[Callable[[Future[T]], None]] = []
+        self._pump = pump
+        self._guard = guard
+
+    # ------------------------------------------------------------ completion
+    @classmethod
+    def completed(cls, value: T) -> Future[T]:
+        """A future that already holds ``value``."""
+        f: Future[T] = cls()
+        f.set_result(value)
+        return f
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> Future[Any]:
+        """A future that already holds the exception ``exc``."""
+        f: Future[Any] = cls()
+        f.set_exception(exc)
+        return f
+
+    def set_result(self, value: T) -> None:
+        """Complete with ``value`` (from any thread; only the first completion counts)."""
+        self._complete(lambda: value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Complete with the exception ``exc`` (raised by :meth:`get`)."""
+
+        def fail() -> T:
+            raise exc
+
+        self._complete(fail)
+
+    def _complete(self, finalizer: Callable[[], T]) -> None:
+        """Complete; ``finalizer()`` computes the value (or raises) when first asked."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._finalizer = finalizer
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a callback must not break the completing thread
+                import logging
+
+                logging.getLogger("monarch_kernel.actor").exception("a future callback failed")
+
+    def add_done_callback(self, fn: Callable[[Future[T]], None]) -> None:
+        """Call ``fn(self)`` when done (at once, in this thread, if already done;
+        otherwise in the thread that completes it)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # --------------------------------------------------------------- reading
+    def done(self) -> bool:
+        """True once a result or an exception is there."""
+        return self._event.is_set()
+
+    def _result(self) -> T:
+        with self._lock:
+            if self._outcome is _NOT_YET:
+                fn = self._finalizer
+                assert fn is not None
+                try:
+                    self._outcome = (True, fn())
+                except BaseException as e:  # noqa: BLE001 - kept and re-raised to every reader
+                    self._outcome = (False, e)
+                self._finalizer = None
+        ok, value = self._outcome
+        if ok:
+            return value
+        raise value
+
+    def get(self, timeout: float | None = None) -> T:
+        """Wait for the result and return it.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds to wait; None waits as long as it takes.
+
+        Returns
+        -------
+        The endpoint's value (a :class:`~monarch_kernel.mesh.ValueMesh` for
+        ``call``).
+
+        Raises
+        ------
+        TimeoutError
+            If ``timeout`` seconds passed first; the call goes on and the
+            future stays usable (call ``get`` again).
+        ActorError
+            If the endpoint raised; also an instance of the original type.
+        MeshFailure
+            If the actor was stopped or its process died.
+        """
+        ev = self._event
+        if not ev.is_set():
+            if self._guard is not None:
+                self._guard()
+            if self._pump is None:
+                if not ev.wait(timeout):
+                    raise _timeout(timeout)
+            else:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while True:
+                    step = 0.05
+                    if deadline is not None:
+                        step = max(0.0, min(step, deadline - time.monotonic()))
+                    if ev.wait(step):
+                        break
+                    self._pump(False)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise _timeout(timeout)
+        if self._pump is not None:
+            self._pump(True)
+        return self._result()
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The exception the call ended with, or None (waits like :meth:`get`)."""
+        try:
+            self.get(timeout)
+        except TimeoutError:
+            if not self.done():
+                raise
+            return self._outcome[1]
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> T:
+        if not self._event.is_set():
+            if self._guard is not None:
+                self._guard()
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+
+            def wake(_: Future[T]) -> None:
+                try:
+                    loop.call_soon_threadsafe(_resolve, waiter)
+                except RuntimeError:  # the loop is closed: nobody is waiting any more
+                    pass
+
+            self.add_done_callback(wake)
+            if self._pump is None:
+                await waiter
+            else:
+                while not waiter.done():
+                    await asyncio.wait({waiter}, timeout=0.1)
+                    self._pump(False)
+        return self.get(0)
+
+    def __repr__(self) -> str:
+        if not self.done():
+            return "<Future pending>"
+        if self._outcome is _NOT_YET:
+            return "<Future done>"
+        ok, value = self._outcome
+        return f"<Future {'value' if ok else 'exception'}={value!r:.60}>"
+
+
+def _resolve(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _timeout(timeout: float | None) -> TimeoutError:
+    return TimeoutError(
+        f"no result within {timeout:g} s; the call goes on: call get() again to keep waiting"
+    )
