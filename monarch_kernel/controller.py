@@ -390,7 +390,7 @@ class Controller:
                 self.mark_dead(rank, code)
         limit = 3 * self.heartbeat + 0.5
         for r, info in list(self.ranks.items()):
-            if (r not in self.local_ranks and info.state in ("idle", "busy")
+            if (r not in self.local_ranks and info.state in ("idle", "busy", "paused")
                     and now - info.last_heard > limit):
                 log.warning("rank %d missed 3 heartbeats", r)
                 self.mark_dead(r, None)
@@ -432,6 +432,19 @@ class Controller:
         if t == "stream":
             c = msg.content
             self._deliver_stream(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
+            return
+        if t == "debug":  # a remote pdb paused / runs on / ended (see debug/server.py)
+            c = msg.content
+            with self._lock:
+                if c.get("kind") == "paused":
+                    info.state = "paused"
+                elif info.state == "paused":
+                    info.state = "busy" if any(rank in q.ranks and rank not in q.replies
+                                               for q in self.pending.values()) else "idle"
+            self._notify_listeners("debug", rank, c)  # the debug registry, first
+            req = self.pending.get(msg.parent or "")
+            if req is not None:
+                req.events.put(("debug", rank, c))
             return
         if t == "display":
             req = self.pending.get(msg.parent or "")

@@ -48,8 +48,16 @@ class Future(Generic[T]):
     ``call_one``, ``choose``, ``stream``), not by users.
     """
 
-    __slots__ = ("_event", "_lock", "_finalizer", "_outcome", "_callbacks", "_pump", "_guard",
-                 "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_event",
+        "_finalizer",
+        "_guard",
+        "_lock",
+        "_outcome",
+        "_pump",
+    )
 
     def __init__(self, pump: Callable[[bool], None] | None = None,
                  guard: Callable[[], None] | None = None) -> None:
@@ -99,7 +107,7 @@ class Future(Generic[T]):
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # noqa: BLE001 - a callback must not break the completing thread
+            except Exception:
                 import logging
 
                 logging.getLogger("monarch_kernel.actor").exception("a future callback failed")

@@ -60,6 +60,8 @@ class ProcMesh:
         self._cell = 0
         self._lock = threading.Lock()
         self.spec: LaunchSpec | None = None  # how the root mesh was launched
+        self.ready = threading.Event()  # cleared while ranks are being restarted
+        self.ready.set()
         self.supervisor: Any = None
 
     # --------------------------------------------------------------- shape
@@ -96,8 +98,12 @@ class ProcMesh:
 
     # ------------------------------------------------------------ requests
     def _check(self) -> None:
-        if self.root._stopped:
+        root = self.root
+        if root._stopped:
             raise MeshFailure("this mesh was stopped; spawn a new one (%mesh spawn N)")
+        if not root.ready.is_set() and not root.ready.wait(root.controller.restart_timeout):
+            raise MeshFailure("ranks of this mesh are still being restarted after "
+                              f"{root.controller.restart_timeout:.0f} s")
 
     def request(self, type: str, content: Any = None, ranks: list[int] | None = None
                 ) -> Request:
@@ -125,9 +131,16 @@ class ProcMesh:
             all failing ranks raised alike.
         TimeoutError
             If ``timeout`` seconds passed first.
+
+        Output the ranks print meanwhile is written to ``sys.stdout`` /
+        ``sys.stderr`` live, tagged by rank.
         """
-        if not req.wait(timeout):
+        if not show_output(req, timeout):
             raise TimeoutError(f"no answer from ranks {req.ranks} within {timeout} s")
+        if req.failure is not None:  # fail fast: stop what the other ranks still run
+            from .supervision import abort_survivors
+
+            abort_survivors(self, [r for r in req.ranks if r not in req.replies])
         raise_failures(req)
         shape = self._shape_for(req.ranks if ranks is None else ranks)
         return ValueMesh(shape, [req.replies[r][1] for r in shape.ranks])
@@ -190,14 +203,16 @@ class ProcMesh:
         """Run ``torch.distributed`` set-up on every rank of the root mesh.
 
         MASTER_ADDR is the host of rank 0 (the controller's address for local
-        meshes); MASTER_PORT a free port there.
+        meshes; for other launchers rank 0's address on the interface that
+        routes to the controller, which its peers can reach whatever its host
+        name resolves to); MASTER_PORT a free port there.
         """
         root = self.root
         host = root.controller.address.split("//")[1].rsplit(":", 1)[0]
         if root.launcher.local:
             master, port = host, _free_port(host)
         else:
-            master, port = root.controller.ranks[0].host, 29500
+            master, port = _rank0_endpoint(root, host, timeout)
         env = _setup_env(root, master, port)
         reqs = [root.controller.request([r], "setup", {"dist": root.dist, "env": env[r],
                                                        "timeout": timeout})
@@ -250,8 +265,10 @@ class ProcMesh:
             return
         root._stopped = True
         live = [r for r, i in root.controller.ranks.items() if i.state not in ("dead", "stopped")]
+        # ranks still starting (never said hello) get no request: it would wait for them
+        started = [r for r in live if root.controller.ranks[r].state != "starting"]
         try:
-            reqs = root.controller.request(live, "stop") if live else None
+            reqs = root.controller.request(started, "stop") if started else None
             if reqs is not None:
                 reqs.wait(timeout)
         except MeshFailure:
@@ -267,6 +284,43 @@ class ProcMesh:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def show_output(req: Request, timeout: float | None = None) -> bool:
+    """Print ``req``'s rank-tagged output live until it is done; True if done."""
+    import queue
+    import sys
+    import time
+
+    from .output import RankPrinter
+
+    def write(name: str, text: str) -> None:
+        stream = sys.stdout if name == "stdout" else sys.stderr
+        stream.write(text)
+        stream.flush()
+
+    printer = RankPrinter(write)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            done = req.done()
+            try:
+                ev = req.events.get(timeout=0.02)
+            except queue.Empty:
+                printer.flush_lines()
+                if done:
+                    return True
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                continue
+            if ev[0] == "stream":
+                printer.feed(ev[1], ev[2], ev[3])
+            elif ev[0] == "display":
+                text = ev[2].get("data", {}).get("text/plain")
+                if text:
+                    printer.feed(ev[1], "stdout", text + "\n")
+    finally:
+        printer.close()
 
 
 def raise_failures(req: Request, actor: str | None = None) -> None:
@@ -293,7 +347,7 @@ def spawn_procs(
     *,
     dist: str | None = None,
     launcher: str | Launcher = "local",
-    bind: str = "127.0.0.1",
+    bind: str | None = None,
     heartbeat: float = 1.0,
     timeout: float = 120.0,
     on_output: Any = None,
@@ -315,8 +369,12 @@ def spawn_procs(
         ``init_process_group``); with ``nccl`` LOCAL_RANK picks the GPU.
     launcher : str or Launcher
         ``"local"`` (subprocesses of this host) or ``"slurm"``.
-    bind : str
-        Address the controller binds (loopback by default).
+    bind : str, optional
+        Address the controller binds: an IPv4 address, an interface name,
+        a host name or ``0.0.0.0``. Default: loopback for the local launcher,
+        else the launcher's ``default_bind()`` (for Slurm: the address that
+        routes to the cluster). Beyond loopback a warning says that traffic
+        is signed but not encrypted.
     heartbeat : float
         Seconds between heartbeats.
     timeout : float
@@ -355,12 +413,8 @@ def spawn_procs(
     n = len(sh)
     if n > 4096:
         raise MeshError(f"{n} ranks is more than this controller supports (4096)")
-    ctl = Controller(bind=bind, heartbeat=heartbeat, on_output=on_output)
-    try:
-        la = get_launcher(launcher, **(launcher_options or {}))
-    except BaseException:
-        ctl.close()
-        raise
+    la = get_launcher(launcher, **(launcher_options or {}))
+    ctl = _controller_for(la, bind, heartbeat, on_output)
     mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
     ctl.expect(ranks, local=la.local)
@@ -369,8 +423,10 @@ def spawn_procs(
     mesh.spec = spec
     ctl.poll_exits = la.poll
     ctl.leftover_output = la.leftover_output
+    la.attach(ctl)
     try:
         la.launch(spec)
+        la.wait_started(timeout)
         ctl.wait_ready(ranks, timeout)
         if mesh.dist:
             mesh.setup_dist(timeout)
@@ -381,6 +437,44 @@ def spawn_procs(
         mesh.supervisor = Supervisor(mesh, max_restarts)
     _live.add(mesh)
     return mesh
+
+
+def _rank0_endpoint(root: ProcMesh, controller_host: str, timeout: float) -> tuple[str, int]:
+    """(address, free port) of rank 0, found on rank 0 without touching its namespace."""
+    code = (
+        "(lambda socket: (lambda u, s: (u.connect((%r, 9)), s.bind((u.getsockname()[0], 0)),"
+        " (u.getsockname()[0], s.getsockname()[1]), u.close(), s.close())[2])"
+        "(socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket()))"
+        "(__import__('socket'))" % controller_host
+    )
+    req = root.controller.request([0], "execute", {"code": code, "filename": "<monarch-dist>"})
+    if not req.wait(timeout):
+        raise TimeoutError(f"rank 0 did not say its address within {timeout} s")
+    raise_failures(req)
+    addr, port = req.replies[0][1]
+    return addr, int(port)
+
+
+def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any
+                    ) -> Controller:
+    """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
+    from .netaddr import is_wildcard, resolve_bind
+    from .transport import is_loopback
+
+    try:
+        addr = resolve_bind(bind) if bind else la.default_bind()
+    except ValueError as e:
+        raise MeshError(str(e)) from None
+    ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output)
+    if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
+        ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
+    if not is_loopback(addr):
+        import sys
+
+        print(f"warning: the mesh controller listens on {ctl.address} (not loopback); "
+              "mesh traffic is signed (HMAC) but NOT encrypted, so anyone on that network "
+              "can read it; use only trusted networks", file=sys.stderr, flush=True)
+    return ctl
 
 
 def _setup_env(mesh: ProcMesh, master_addr: str, port: int) -> dict[int, dict[str, str]]:

@@ -53,6 +53,7 @@ TYPES = frozenset(
         "display",  # {data, metadata, transient}: rich output from a rank
         "state",  # telemetry record {activity, cpu, rss, uss, gpu, ...}: see telemetry.py
         "event",  # {kind, ...}: asynchronous reports (broadcast failures, ...)
+        "debug",  # {kind: paused|running|ended, session, text, ...}: remote pdb (debug/server.py)
         # controller -> worker
         "execute",  # {code, cell_id, sources}: run a cell
         "push",  # {namespace dict}
@@ -63,6 +64,7 @@ TYPES = frozenset(
         "spawn_actor",  # {name, cls, args, kwargs}
         "call",  # {actor, method, args, kwargs}: an endpoint call
         "stop_actor",  # {name}
+        "debug_input",  # {session, line}: a pdb command line (None: release the session)
         # both ways
         "heartbeat",
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import types
 from typing import Any
 
 import cloudpickle
@@ -82,11 +83,21 @@ def _reduce_tensor(t: Any) -> tuple:
     return (_rebuild_tensor, (array, cpu.dtype, tuple(cpu.shape), device, requires_grad, raw))
 
 
+def _rebuild_code(args: tuple, filename: str) -> types.CodeType:
+    return types.CodeType(*args).replace(co_filename=filename)
+
+
 class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor and obj.layout == torch.strided:
             return _reduce_tensor(obj)
+        if type(obj) is types.CodeType:
+            # cloudpickle writes "<dynamic-code>" as the file name of code shipped by
+            # value; keep the real one, so remote tracebacks can show the source lines
+            # (of notebook cells, of __main__ scripts: the actor module ships them)
+            _, args = self.dispatch_table[types.CodeType](obj)
+            return (_rebuild_code, (args, obj.co_filename))
         return super().reducer_override(obj)
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_kernel.supervision")
 
-__all__ = ["restart_ranks", "Supervisor", "RESTART_POLICIES"]
+__all__ = ["restart_ranks", "Supervisor", "RESTART_POLICIES", "abort_survivors"]
 
 RESTART_POLICIES = ("never", "on-failure")
 
@@ -68,7 +68,33 @@ def restart_ranks(mesh: ProcMesh, ranks: list[int], timeout: float = 120.0) -> N
         if r not in root.controller.ranks:
             raise MeshError(f"rank {r} is not part of this mesh (ranks 0 to "
                             f"{len(root.shape) - 1})")
+    root.ready.clear()
+    try:
+        _relaunch(root, ranks, timeout)
+    finally:
+        root.ready.set()
+
+
+def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
+              notify: Any = None) -> list[int]:
     ctl, la = root.controller, root.launcher
+    ranks = sorted(set(ranks))
+    if root.dist:
+        # survivors leave the old process group; ones stuck in a collective with a
+        # dead rank cannot, so they are replaced too
+        others = [r for r in root.ranks if r not in ranks
+                  and ctl.ranks[r].state == "busy"]
+        if others:
+            root.interrupt(others)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and any(
+                    ctl.ranks[r].state == "busy" for r in others):
+                time.sleep(0.05)
+            stuck = [r for r in others if ctl.ranks[r].state == "busy"]
+            if stuck:
+                (notify or _stderr)(f"ranks {stuck} are stuck in a torch.distributed "
+                                    "collective; restarting them too")
+                ranks = sorted(set(ranks) | set(stuck))
     la.forget(ranks)
     live = [r for r in ranks if ctl.ranks[r].state not in ("dead", "stopped")]
     if live:
@@ -82,6 +108,43 @@ def restart_ranks(mesh: ProcMesh, ranks: list[int], timeout: float = 120.0) -> N
     ctl.wait_ready(ranks, timeout)
     if root.dist:
         root.setup_dist(timeout)
+    return ranks
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def abort_survivors(mesh: ProcMesh, ranks: list[int], grace: float = 3.0) -> None:
+    """After a rank died: interrupt ``ranks`` that are still running.
+
+    In a ``torch.distributed`` mesh, ranks still busy after ``grace`` seconds
+    are stuck in a collective with the dead rank (SIGINT cannot reach code
+    blocked in C++); they are killed, with a message, so nothing waits
+    forever. Runs in a background thread; returns at once.
+    """
+    root = mesh.root
+    ctl = root.controller
+    running = [r for r in ranks if ctl.ranks[r].state == "busy"]
+    if not running or root._stopped:
+        return
+    root.interrupt(running)
+    if not root.dist:
+        return
+
+    def watch() -> None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if root._stopped or not any(ctl.ranks[r].state == "busy" for r in running):
+                return
+            time.sleep(0.05)
+        stuck = [r for r in running if ctl.ranks[r].state == "busy"]
+        if stuck and not root._stopped and root.ready.is_set():
+            _stderr(f"ranks {stuck} were stuck in a torch.distributed collective with a dead "
+                    f"rank and were stopped; run  %mesh restart all  (or mesh.restart())")
+            root.launcher.signal(stuck, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="monarch-abort").start()
 
 
 class Supervisor:
@@ -105,12 +168,15 @@ class Supervisor:
         self.history: list[tuple[float, int, str]] = []  # (time, rank, cause)
         self._notify = notify or (lambda text: print(text, file=sys.stderr, flush=True))
         self._lock = threading.Lock()
+        self._restarting = False
         self._threads: list[threading.Thread] = []
         mesh.controller.listeners.append(self._on_event)
 
     def _on_event(self, kind: str, rank: int, payload: Any) -> None:
-        if kind != "dead" or self.mesh.root._stopped:
+        root = self.mesh.root
+        if kind != "dead" or root._stopped or self._restarting:
             return
+        cause = str(payload).split(";")[0].split("\n")[0]
         with self._lock:
             if self.restarts >= self.max_restarts:
                 self._notify(f"rank {rank} died and the restart budget "
@@ -118,27 +184,31 @@ class Supervisor:
                 return
             self.restarts += 1
             n = self.restarts
-            self.history.append((time.time(), rank, str(payload).split(";")[0]))
-        # mark it as starting now, so requests wait for the new process
-        self.mesh.launcher.forget([rank])
-        self.mesh.controller.expect([rank], local=self.mesh.launcher.local)
-        self._notify(f"rank {rank} died ({str(payload).split(';')[0]}); restarting it "
+            self.history.append((time.time(), rank, cause))
+            self._restarting = True
+        root.ready.clear()  # requests wait for the restart
+        # a torch.distributed group cannot lose a member: restart every rank, as
+        # torchelastic does; otherwise only the dead one
+        ranks = root.ranks if root.dist else [rank]
+        what = "the whole mesh" if root.dist else "it"
+        self._notify(f"rank {rank} died ({cause}); restarting {what} "
                      f"({n} of {self.max_restarts})")
-        t = threading.Thread(target=self._restart, args=(rank,), daemon=True,
-                             name=f"monarch-restart-{rank}")
+        t = threading.Thread(target=self._restart, args=(ranks,), daemon=True,
+                             name="monarch-restart")
         self._threads.append(t)
         t.start()
 
-    def _restart(self, rank: int) -> None:
+    def _restart(self, ranks: list[int]) -> None:
         root = self.mesh.root
         try:
-            spec = dataclasses.replace(root.spec, ranks=[rank])
-            root.launcher.launch(spec)
-            root.controller.wait_ready([rank], 120)
-            if root.dist:
-                root.setup_dist(120)
-            self._notify(f"rank {rank} restarted")
-        except Exception as e:  # noqa: BLE001 - reported, and the rank stays dead
+            done = _relaunch(root, ranks, 120, self._notify)
+            self._notify(f"rank{'s' if len(done) > 1 else ''} "
+                         f"{','.join(map(str, done))} restarted")
+        except Exception as e:  # noqa: BLE001 - reported, and the ranks stay dead
             if not root._stopped:
-                self._notify(f"restarting rank {rank} failed: {e}")
-                root.controller.mark_dead(rank, None)
+                self._notify(f"restarting ranks {ranks} failed: {e}")
+                for r in ranks:
+                    root.controller.mark_dead(r, None)
+        finally:
+            self._restarting = False
+            root.ready.set()

@@ -16,7 +16,7 @@ A record (the message content) is a plain dict:
                     (over 100 for several busy threads)
 ``rss``             resident set size, bytes
 ``uss``             unique set size (memory freed if the process exited),
-                    bytes; refreshed every ``uss_every`` samples (it is the
+                    bytes; refreshed every ``uss_every`` seconds (it is the
                     costly figure), None where the platform has none
 ``threads``         OS threads of the process
 ``mem_total``       the host's physical memory, bytes
@@ -35,8 +35,8 @@ A record (the message content) is a plain dict:
 
 Cost. Everything but USS comes from ``/proc/<pid>/stat`` and ``status``
 (through psutil, ~50 us a sample). USS needs ``/proc/<pid>/smaps_rollup``,
-which walks the page tables: ~2.5 ms for a process that imported torch, so it
-is read only every ``uss_every`` (10) samples. NVML calls take tens of
+which walks the page tables: ~2.5-4 ms for a process that imported torch, so
+it is read only every ``uss_every`` (10) seconds, whatever the interval. NVML calls take tens of
 microseconds. torch is never imported here: its CUDA figures are read only
 when the worker's own code already imported torch and initialized CUDA.
 
@@ -62,14 +62,21 @@ from typing import Any
 log = logging.getLogger("monarch_kernel.telemetry")
 
 __all__ = [
-    "DEFAULT_INTERVAL", "set_activity", "activity", "current_activity", "request_activity",
-    "Sampler", "GpuProbe", "TelemetryThread", "start",
+    "DEFAULT_INTERVAL",
+    "GpuProbe",
+    "Sampler",
+    "TelemetryThread",
+    "activity",
+    "current_activity",
+    "request_activity",
+    "set_activity",
+    "start",
 ]
 
 #: seconds between samples unless the worker is told otherwise
 DEFAULT_INTERVAL = 1.0
-#: USS (the costly figure) is refreshed every this many samples
-USS_EVERY = 10
+#: USS (the costly figure) is refreshed every this many seconds
+USS_EVERY = 10.0
 
 # ------------------------------------------------------------------ activity
 _activities: dict[int, str] = {}
@@ -208,7 +215,7 @@ class GpuProbe:
         try:
             if cuda is not None and cuda.is_initialized():
                 return int(cuda.current_device())
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - guarded: no GPU figure, no error
             pass
         return None
 
@@ -217,7 +224,7 @@ class GpuProbe:
             try:
                 h = self.nv.nvmlDeviceGetHandleByIndex(i)
                 procs = self.nv.nvmlDeviceGetComputeRunningProcesses(h)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S112 - guarded: no GPU figure, no error
                 continue
             if any(getattr(p, "pid", None) == self.pid for p in procs):
                 return i
@@ -260,7 +267,7 @@ class GpuProbe:
                 for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
                     if getattr(p, "pid", None) == self.pid:
                         proc_mem = getattr(p, "usedGpuMemory", None)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - guarded: no GPU figure, no error
                 pass
             out: dict[str, Any] = {
                 "index": index, "name": name, "util": float(util.gpu),
@@ -276,7 +283,7 @@ class GpuProbe:
             try:
                 out["torch_allocated"] = int(cuda.memory_allocated(logical))
                 out["torch_reserved"] = int(cuda.memory_reserved(logical))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - guarded: no GPU figure, no error
                 pass
         return out
 
@@ -284,7 +291,7 @@ class GpuProbe:
         if self.ok:
             try:
                 self.nv.nvmlShutdown()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - guarded: no GPU figure, no error
                 pass
             self.ok = False
 
@@ -320,13 +327,13 @@ class Sampler:
     ----------
     pid : int, optional
         The process to sample (default: this one).
-    uss_every : int
-        Refresh USS every this many samples (0: never).
+    uss_every : float
+        Refresh USS every this many seconds (0: never).
     gpu : bool or GpuProbe
         Sample the GPU (True: a :class:`GpuProbe` made on first use).
     """
 
-    def __init__(self, pid: int | None = None, uss_every: int = USS_EVERY,
+    def __init__(self, pid: int | None = None, uss_every: float = USS_EVERY,
                  gpu: bool | GpuProbe = True) -> None:
         import psutil
 
@@ -338,6 +345,7 @@ class Sampler:
         self.mem_total = int(psutil.virtual_memory().total)
         self.seq = 0
         self._uss: int | None = None
+        self._uss_at = -float("inf")
         self._last_cpu = self._cpu_seconds()
         self._last_t = time.monotonic()
 
@@ -367,7 +375,8 @@ class Sampler:
         dt = now - self._last_t
         cpu = 0.0 if dt <= 0 or self.seq == 0 else max(0.0, (cpu_s - self._last_cpu) / dt * 100)
         self._last_cpu, self._last_t = cpu_s, now
-        if self.uss_every and self.seq % self.uss_every == 0:
+        if self.uss_every and now - self._uss_at >= self.uss_every:
+            self._uss_at = now
             self._uss = _read_uss(self.pid)
         probe = self.gpu
         rec: dict[str, Any] = {
@@ -448,7 +457,7 @@ class TelemetryThread(threading.Thread):
                 except Exception:  # noqa: BLE001 - the connection is closing
                     return
                 wait = max(0.0, self.interval - (time.monotonic() - t0))
-        except Exception:  # noqa: BLE001 - telemetry must never take a worker down
+        except Exception:
             log.exception("telemetry stopped")
         finally:
             if self.sampler is not None:

@@ -115,7 +115,7 @@ class KernelSession:
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
 
     def execute(self, code: str, timeout: float = 120, allow_stdin: bool = False,
-                on_input: Callable[[str], str] | None = None,
+                on_input: Callable[[str], str | None] | None = None,
                 on_message: Callable[[dict[str, Any]], None] | None = None) -> ExecResult:
         """Run ``code``; collect its iopub messages until the kernel is idle.
 
@@ -138,7 +138,9 @@ class KernelSession:
                 except queue.Empty:
                     pass
                 else:
-                    self.kc.input(on_input(req["content"]["prompt"]))
+                    answer = on_input(req["content"]["prompt"])
+                    if answer is not None:  # None: leave the prompt unanswered
+                        self.kc.input(answer)
             if not res.reply:
                 try:
                     rep = self.kc.get_shell_msg(timeout=0.01)

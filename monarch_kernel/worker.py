@@ -209,6 +209,11 @@ class Worker:
 
             actor.dispatch_call(self, msg)
             return
+        if msg.type == "debug_input":  # the paused thread waits in pdb: hand it the line
+            from .debug import server as debug_server
+
+            debug_server.deliver(msg.content)
+            return
         self.requests.put(msg)
 
     # ----------------------------------------------------------- main thread
@@ -246,6 +251,9 @@ class Worker:
                 raise ValueError(f"unknown request type {msg.type!r}")
             value = handler(msg.content)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            if isinstance(e, Exception) and type(e).__name__ != "BdbQuit":
+                # kept for `%mesh debug --post-mortem` (describe_failure clears it)
+                self.last_exception, self.last_traceback = e, e.__traceback__
             status, value = "error", self.describe_failure(e)
         finally:
             self.busy = False
@@ -277,6 +285,10 @@ class Worker:
         # drop this module's own frames from the top of the traceback
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
+        if isinstance(e, KeyboardInterrupt):  # maybe raised in a paused pdb: hide its frames
+            from .debug.server import cut_debugger_frames
+
+            tb = cut_debugger_frames(tb)
         text = "".join(traceback.format_exception(type(e), e, tb)) if with_traceback else ""
         exc: BaseException | None = e
         try:
@@ -449,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     w.telemetry_interval = args.telemetry_interval
     current = w
     sys.modules["__main__"] = w.module
+    from .debug import server as debug_server
+
+    debug_server.install(w)  # breakpoint() / pdb.set_trace() prompt in the notebook
     fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
     log_fd = os.environ.pop("MONARCH_LOG_FD", "")
     read_fds = tuple(int(x) for x in fds.split(",")) if fds else None

@@ -5,17 +5,27 @@ Usage::
 
     python scripts/run_notebook.py notebooks/01_quickstart.ipynb [--kernel monarch]
                                    [--timeout 600] [--out build/notebooks]
+                                   [--stdin-file notebooks/04_debugging.stdin]
 
 Each cell's source is printed (shortened) as it starts, and its outputs
 (stream text, the text/plain of results and displays, errors with their
 tracebacks) as they arrive, so a rank's live output shows up live here too.
 The executed notebook is written to ``build/notebooks/<name>``. The exit
 status is 0 when every cell ran, 1 when a cell failed (or the kernel died).
+
+``--stdin-file FILE`` answers the kernel's input requests (``input()``, the
+debugger's ``(Pdb rank R)`` and ``(mesh-debug)`` prompts) with the file's
+lines, in order: one answer per line, lines starting with ``#`` skipped.
+Each prompt and its answer are echoed and kept in the cell's outputs. A
+prompt with no line left is answered with end-of-file and fails the run, as
+do lines left over at the end. Without it, input requests are refused
+(nbclient's default), so a ``breakpoint()`` on a rank is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import sys
 import textwrap
@@ -63,6 +73,49 @@ class PrintingClient(NotebookClient):
         return super().process_message(msg, cell, cell_index)
 
 
+class ScriptedStdinClient(PrintingClient):
+    """A PrintingClient whose kernel may ask for input; answers come from a list of lines."""
+
+    def __init__(self, nb: Any, lines: list[str], **kwargs: Any) -> None:
+        super().__init__(nb, **kwargs)
+        self.lines = list(lines)
+        self.stdin_errors: list[str] = []
+
+    async def async_start_new_kernel_client(self) -> Any:
+        kc = await super().async_start_new_kernel_client()
+        kc.allow_stdin = True  # nbclient turns it off; the scripted lines answer
+        return kc
+
+    async def async_execute_cell(self, cell: Any, cell_index: int, *args: Any,
+                                 **kwargs: Any) -> Any:
+        answering = asyncio.ensure_future(self._answer_stdin(cell))
+        try:
+            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+        finally:
+            answering.cancel()
+
+    async def _answer_stdin(self, cell: Any) -> None:
+        while True:
+            msg = await self.kc.stdin_channel.get_msg(timeout=None)
+            if msg["msg_type"] != "input_request":
+                continue
+            prompt = msg["content"].get("prompt", "")
+            await asyncio.sleep(0.2)  # let the output before the prompt arrive first
+            if self.lines:
+                answer, shown = self.lines.pop(0), None
+            else:
+                answer, shown = "\x04", "<end of file>"
+                self.stdin_errors.append(f"no scripted line left for the prompt {prompt!r}")
+            text = f"{prompt}{shown or answer}\n"
+            _write(text)
+            cell.outputs.append(nbformat.v4.new_output("stream", name="stdout", text=text))
+            self.kc.input(answer)
+
+
+def _read_stdin_file(path: Path) -> list[str]:
+    return [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]
+
+
 def _on_cell_start(cell: Any, cell_index: int, **_: Any) -> None:
     if cell.get("cell_type") != "code":
         return
@@ -89,17 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT / "build" / "notebooks",
         help="folder for the executed notebook (default: build/notebooks)",
     )
+    p.add_argument("--stdin-file", type=Path, default=None,
+                   help="answer input requests with this file's lines (see above)")
     a = p.parse_args(argv)
 
     nb_path = a.notebook.resolve()
     nb = nbformat.read(nb_path, as_version=4)
-    client = PrintingClient(
-        nb,
+    options: dict[str, Any] = dict(
         kernel_name=a.kernel,
         timeout=a.timeout,
         on_cell_start=_on_cell_start,
         resources={"metadata": {"path": str(nb_path.parent)}},
     )
+    if a.stdin_file is not None:
+        client: PrintingClient = ScriptedStdinClient(nb, _read_stdin_file(a.stdin_file),
+                                                     **options)
+    else:
+        client = PrintingClient(nb, **options)
     _write(f"Executing {nb_path} with kernel {a.kernel!r}\n")
     status = 0
     try:
@@ -119,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         out = a.out / nb_path.name
         nbformat.write(nb, out)
         _write(f"\nExecuted notebook written to {out}\n")
+    if isinstance(client, ScriptedStdinClient) and (client.stdin_errors or client.lines):
+        for err in client.stdin_errors:
+            _write(f"FAILED: {err}\n")
+        if client.lines:
+            _write(f"FAILED: {len(client.lines)} scripted stdin lines were not used: "
+                   f"{client.lines[:5]}\n")
+        status = 1
     _write("OK: every cell ran\n" if status == 0 else "")
     return status
 

@@ -35,6 +35,7 @@ prompt into one round trip, and keep ``SIGINT`` handling out of pdb
 from __future__ import annotations
 
 import bdb
+import contextlib
 import itertools
 import os
 import pdb
@@ -54,6 +55,7 @@ __all__ = [
     "pm",
     "remember_exception",
     "set_request_parent",
+    "cut_debugger_frames",
 ]
 
 #: modules whose frames pdb never stops in (the worker's own machinery)
@@ -124,6 +126,7 @@ class RemotePdb(pdb.Pdb):
         self.thread_id = threading.get_ident()
         self.ended = False
         self._released = False
+        self._was_released = False
         with _lock:
             _sessions[self.sid] = self
 
@@ -141,9 +144,11 @@ class RemotePdb(pdb.Pdb):
         if capture is not None:
             capture.drain()  # what the code printed comes before what pdb says
         text, self._out = "".join(self._out), []
-        content.update(kind=kind, session=self.sid, text=text, thread=self.thread_name)
+        parent = self._parent()
+        content.update(kind=kind, session=self.sid, text=text, thread=self.thread_name,
+                       parent=parent)
         try:
-            self.worker.send("debug", content, self._parent())
+            self.worker.send("debug", content, parent)
         except Exception:  # noqa: BLE001 - the controller is gone; the I/O thread exits
             pass
 
@@ -166,22 +171,28 @@ class RemotePdb(pdb.Pdb):
         text = "".join(self._out)
         if text.endswith(self.prompt):
             self._out = [text[: -len(self.prompt)]]
-        self._send("paused", prompt=self.prompt, **self._where())
-        while True:
-            try:
-                line = self._inbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if line is None:
-                self._released = True
-                return "\n"
-            return line if line.endswith("\n") else line + "\n"
+        entry = ""
+        if 0 <= self.curindex < len(self.stack):
+            entry = "> " + self.format_stack_entry(self.stack[self.curindex], "\n-> ")
+        where = self._where()
+        self._send("paused", prompt=self.prompt, entry=entry, **where)
+        with _activity(f"paused at {where['filename']}:{where['lineno']}"):
+            while True:
+                try:
+                    line = self._inbox.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if line is None:
+                    self._released = True
+                    return "\n"
+                return line if line.endswith("\n") else line + "\n"
 
     # ------------------------------------------------------------ pdb hooks
     def onecmd(self, line: str) -> bool:
         """Run one pdb command; a release (``None`` from the controller) continues."""
         if self._released:
             self._released = False
+            self._was_released = True
             self.message("released by the controller: this rank runs on without stopping")
             self._stop_tracing()
             return True
@@ -212,9 +223,17 @@ class RemotePdb(pdb.Pdb):
         elif self.quitting:
             self._finish("quit")
         elif sys.gettrace() is None:
-            self._finish("continue")
+            self._finish("released" if self._was_released else "continue")
         else:
             self._send("running")
+
+    def user_return(self, frame: types.FrameType, return_value: Any) -> None:
+        """As in :class:`pdb.Pdb`, without leaving ``__return__`` in a cell's namespace."""
+        try:
+            super().user_return(frame, return_value)
+        finally:
+            if frame.f_code.co_name == "<module>":
+                frame.f_globals.pop("__return__", None)
 
     def dispatch_return(self, frame: types.FrameType, arg: Any) -> Any:
         """As in :class:`bdb.Bdb`; stepping out of the user's code ends the session.
@@ -242,9 +261,22 @@ class RemotePdb(pdb.Pdb):
             frame = sys._getframe().f_back
         self.ended = False
         self._released = False
+        self._was_released = False
         with _lock:
             _sessions[self.sid] = self
         super().set_trace(frame)
+
+    def get_stack(self, f: Any, t: Any) -> tuple[list[Any], int]:
+        """As in :class:`bdb.Bdb`, without the worker's own frames below the user's code."""
+        stack, i = super().get_stack(f, t)
+        cut = -1
+        for j in range(min(i, len(stack) - 1)):
+            name = stack[j][0].f_globals.get("__name__")
+            if self.is_skipped_module(name) or name in ("runpy", "threading"):
+                cut = j
+        if cut >= 0:
+            stack, i = stack[cut + 1:], i - cut - 1
+        return stack, i
 
     def do_interact(self, arg: str) -> None:
         """interact is not available on a remote rank (it needs a terminal)."""
@@ -271,6 +303,16 @@ class RemotePdb(pdb.Pdb):
     def deliver(self, line: str | None) -> None:
         """Queue one command line (``None``: release) for this session (any thread)."""
         self._inbox.put(line)
+
+
+def _activity(text: str) -> Any:
+    """telemetry's ``activity`` block (the dashboard shows the rank as paused)."""
+    try:
+        from .. import telemetry
+
+        return telemetry.activity(text)
+    except Exception:  # noqa: BLE001 - telemetry is optional here
+        return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- routing
@@ -342,6 +384,28 @@ def breakpointhook(*args: Any, **kwargs: Any) -> None:
         p.message(header)
     p.set_trace(sys._getframe().f_back)
     return None
+
+
+def cut_debugger_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the debugger's frames (from the first ``bdb`` frame on).
+
+    An exception raised while a thread is paused in pdb (an interrupt)
+    travels out through pdb's own frames; the user wants to see the line
+    where the code was paused. Returns a new chain; ``tb`` is not changed.
+    """
+    entries = []
+    t = tb
+    while t is not None:
+        if t.tb_frame.f_globals.get("__name__") == "bdb":
+            break
+        entries.append(t)
+        t = t.tb_next
+    if t is None:
+        return tb
+    out = None
+    for e in reversed(entries):
+        out = types.TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    return out
 
 
 def _trim(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -20,6 +20,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..controller import Request
+from ..debug.console import report_quits
+from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError
 from ..mesh import ValueMesh, parse_ranks
 from ..output import RankPrinter
@@ -31,13 +33,15 @@ __all__ = ["MeshMagics"]
 MAX_LOCAL_RANKS = 1024
 
 USAGE = """\
-%mesh spawn N|HxP [--dist gloo|nccl|none] [--launcher local] [--name mesh]
+%mesh spawn N|HxP [--dist gloo|nccl|none] [--launcher local|slurm] [--bind ADDR] [--name mesh]
+    Slurm: [--partition P] [--time T] [--account A] [--gpus-per-node G] [--nodes N] [--sbatch ARGS]
 %%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
 %mesh push NAME [NAME ...]                   copy notebook variables to every rank
 x = %mesh pull NAME                          a ValueMesh of NAME from every rank
 %mesh status                                 rank, host, pid, state, cpu, memory, gpu
 %mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
 %mesh restart RANKS                          replace ranks with fresh processes
+%mesh debug [--wait S] [--post-mortem RANK]  console for paused ranks (breakpoint() on ranks)
 %mesh stop [--all]                           stop the mesh's workers"""
 
 
@@ -81,6 +85,37 @@ def parse_shape(text: str) -> dict[str, int]:
             f"{MAX_LOCAL_RANKS} this kernel allows; spawn fewer ranks"
         )
     return dims
+
+
+#: ``%mesh spawn`` options that go to the Slurm launcher
+SLURM_OPTIONS = ("--partition", "--time", "--account", "--gpus-per-node", "--nodes", "--sbatch")
+
+
+def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The launcher options of a parsed ``%mesh spawn`` (Slurm's, with --launcher slurm).
+
+    Raises
+    ------
+    UsageError
+        If a Slurm option is given with another launcher, or a count is not positive.
+    """
+    given = {opt: getattr(a, opt[2:].replace("-", "_")) for opt in SLURM_OPTIONS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if a.launcher != "slurm":
+        if given:
+            raise UsageError(f"%mesh spawn: {', '.join(given)} need --launcher slurm")
+        return {}
+    for opt in ("--gpus-per-node", "--nodes"):
+        if opt in given and given[opt] < (0 if opt == "--gpus-per-node" else 1):
+            raise UsageError(f"%mesh spawn: {opt} must be a positive number")
+    out = {k[2:].replace("-", "_"): v for k, v in given.items() if k != "--sbatch"}
+    if "--sbatch" in given:
+        try:
+            out["extra_args"] = shlex.split(given["--sbatch"])
+        except ValueError as e:
+            raise UsageError(f"%mesh spawn: cannot parse --sbatch {given['--sbatch']!r}: {e}"
+                             ) from None
+    return out
 
 
 @magics_class
@@ -148,7 +183,9 @@ class MeshMagics(Magics):
         p.add_argument("size")
         p.add_argument("--dist", choices=["gloo", "nccl", "none"], default="none")
         p.add_argument("--launcher", default="local")
-        p.add_argument("--bind", default="127.0.0.1")
+        p.add_argument("--bind", default=None)
+        for opt in SLURM_OPTIONS:
+            p.add_argument(opt, type=int if opt in ("--gpus-per-node", "--nodes") else str)
         p.add_argument("--name", default="mesh")
         p.add_argument("--heartbeat", type=float, default=1.0)
         p.add_argument("--timeout", type=float, default=120.0)
@@ -161,6 +198,7 @@ class MeshMagics(Magics):
         if a.max_restarts < 0:
             raise UsageError("%mesh spawn: --max-restarts must be 0 or more")
         dims = parse_shape(a.size)
+        launcher_options = slurm_options(a)
         if not a.name.isidentifier():
             raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
         old = self.meshes.pop(a.name, None)
@@ -170,12 +208,14 @@ class MeshMagics(Magics):
         t0 = time.monotonic()
         try:
             m = spawn_procs(dims, dist=a.dist, launcher=a.launcher, bind=a.bind,
+                            launcher_options=launcher_options,
                             restart=a.restart, max_restarts=a.max_restarts,
                             heartbeat=a.heartbeat, timeout=a.timeout,
                             telemetry_interval=a.telemetry_interval)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         self.meshes[a.name] = m
+        registry_for(m.controller)  # knows paused ranks from now on (%mesh debug)
         self.current = a.name
         self.shell.user_ns[a.name] = m
         dist = f", torch.distributed {a.dist}" if a.dist != "none" else ""
@@ -235,6 +275,11 @@ class MeshMagics(Magics):
             out.append(ValueMesh(vm.shape, [v[0] for v in vm.values()]))
         return out[0] if len(out) == 1 else tuple(out)
 
+    def _cmd_debug(self, argv: list[str]) -> None:
+        from .debug_bridge import debug_command
+
+        debug_command(self, argv)
+
     def _cmd_status(self, argv: list[str]) -> Any:
         from ..ui.status import StatusTable
 
@@ -269,12 +314,7 @@ class MeshMagics(Magics):
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
         req = m.run(cell, ranks)
         self._wait(m, req, a.timeout)
-        if req.failure is not None:
-            # fail fast: a rank died; stop what the others are still running
-            running = [r for r in ranks if r not in req.replies
-                       and m.controller.ranks[r].state == "busy"]
-            if running:
-                m.interrupt(running)
+        report_quits(req, lambda text: self._write("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)
         if all(v is None for v in vm.values()):
             return None
@@ -283,6 +323,9 @@ class MeshMagics(Magics):
     def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
         printer = RankPrinter(self._write)
+        from .debug_bridge import cell_console
+
+        self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
         start = time.monotonic()
         interrupted: float | None = None
         killed: list[int] = []
@@ -352,6 +395,8 @@ class MeshMagics(Magics):
             md = dict(content.get("metadata") or {})
             md["monarch_rank"] = rank
             self.shell.display_pub.publish(data=content["data"], metadata=md)
+        elif kind == "debug" and getattr(self, "_debug_console", None) is not None:
+            self._debug_console.on_event(ev)  # prompts (Pdb rank R) / (mesh-debug)
 
     @staticmethod
     def _write(name: str, text: str) -> None:

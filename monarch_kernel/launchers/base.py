@@ -121,6 +121,25 @@ class Launcher(abc.ABC):
         ``(stream name, bytes)`` pairs (launchers that cannot know return [])."""
         return []
 
+    def attach(self, controller: object) -> None:
+        """Called before :meth:`launch` with the mesh's Controller (whose
+        ``ranks[r].host`` / ``.pid`` a launcher may use for placements)."""
+        self.controller = controller
+
+    def wait_started(self, timeout: float) -> None:
+        """Called after :meth:`launch`: block while the workers cannot start
+        yet (a queued scheduler job), reporting progress; raise if they never
+        will. Interruptible (KeyboardInterrupt). Default: return at once."""
+
+    def default_bind(self) -> str:
+        """The address the controller binds when the user gives none: loopback
+        for local launchers, else the address that reaches the workers' hosts."""
+        if self.local:
+            return "127.0.0.1"
+        from ..netaddr import primary_address
+
+        return primary_address()
+
     @abc.abstractmethod
     def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
         """Make sure the processes of ``ranks`` (all if None) have exited:

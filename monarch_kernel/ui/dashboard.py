@@ -56,7 +56,7 @@ from traitlets import Dict
 
 from .status import fmt_bytes, fmt_pct, gpu_texts, state_text
 
-__all__ = ["Dashboard", "sparkline_svg", "heatmap_svg", "grid_shape"]
+__all__ = ["Dashboard", "grid_shape", "heatmap_svg", "sparkline_svg"]
 
 MAX_ROWS = 32
 _counter = itertools.count(1)
@@ -115,7 +115,7 @@ def grid_shape(dims: dict[str, int]) -> tuple[int, int, str, str]:
     if len(sizes) >= 2 and sizes[-1] > 1:
         return n // sizes[-1], sizes[-1], " x ".join(names[:-1]), names[-1]
     cols = max(1, math.ceil(math.sqrt(n)))
-    return math.ceil(n / cols), cols, "rank // %d" % cols, "rank %% %d" % cols
+    return math.ceil(n / cols), cols, f"rank // {cols}", f"rank % {cols}"
 
 
 def _level_color(x: float | None, hue: str) -> str:
@@ -347,7 +347,7 @@ class Dashboard(widgets.VBox):
                 self.refresh()
                 if stopped:
                     break
-        except Exception:  # noqa: BLE001 - a broken refresh must not spam the kernel
+        except Exception:
             import logging
 
             logging.getLogger("monarch_kernel.ui").exception("the dashboard stopped")
@@ -370,6 +370,9 @@ class Dashboard(widgets.VBox):
 
     def close(self) -> None:
         """Stop the refresh thread and close this widget and its parts."""
+        if not hasattr(self, "thread"):  # __init__ failed part way (bad arguments)
+            super().close()
+            return
         self.stop()
         with self._lock:
             if self._closed:
@@ -403,7 +406,9 @@ class Dashboard(widgets.VBox):
             if info is None:
                 continue
             tel = info.telemetry or {}
-            state = "stopped" if stopped and info.state != "dead" else info.state
+            state = info.state
+            if stopped and (state != "dead" or info.exitcode == 0):
+                state = "stopped"  # a clean exit seen while the mesh was being stopped
             has = "cpu" in tel
             alive = has and state not in ("dead", "stopped", "starting")
             out[r] = {
@@ -504,10 +509,11 @@ class Dashboard(widgets.VBox):
         order = [snap.get(r) for r in self.ranks]
         dead = [bool(f and f["dead"]) for f in order]
         cpu = [min(f["cpu"] / 100, 1.0) if f and f["alive"] else None for f in order]
-        mem = [min((f["rss"] or 0) / (f["mem_total"] or 1) * 8, 1.0)  # 1/8 of the host: full
-               if f and f["alive"] else None for f in order]
-        maps = [heatmap_svg(cpu, dead, rows, cols, "cpu", "CPU (% of a core)"),
-                heatmap_svg(mem, dead, rows, cols, "mem", "memory (RSS, 1/8 of host = full)")]
+        top = max((f["rss"] or 0 for f in order if f and f["alive"]), default=0) or 1
+        mem = [(f["rss"] or 0) / top if f and f["alive"] else None for f in order]
+        maps = [heatmap_svg(cpu, dead, rows, cols, "cpu", "CPU (% of a core, 100 = full)"),
+                heatmap_svg(mem, dead, rows, cols, "mem",
+                            f"memory (RSS; full = the largest, {fmt_bytes(top)})")]
         if any(f and f["gpu"] for f in order):
             gpu = [float(f["gpu"]["util"]) / 100 if f and f["alive"] and f["gpu"] else None
                    for f in order]

@@ -18,8 +18,17 @@ import io
 import signal
 from typing import Any
 
-__all__ = ["StatusTable", "COLUMNS", "fmt_bytes", "fmt_pct", "state_text", "gpu_texts",
-           "figures"]
+from ..telemetry import REQUEST_ACTIVITY
+
+__all__ = [
+    "COLUMNS",
+    "StatusTable",
+    "figures",
+    "fmt_bytes",
+    "fmt_pct",
+    "gpu_texts",
+    "state_text",
+]
 
 COLUMNS = [("rank", "rank"), ("host", "host"), ("pid", "pid"), ("state", "state"),
            ("cpu", "cpu"), ("rss", "rss"), ("uss", "uss"), ("threads", "threads"),
@@ -66,7 +75,9 @@ def state_text(state: str, activity: str | None = None, exitcode: int | None = N
     Parameters
     ----------
     state : str
-        The controller's state: starting, idle, busy, dead or stopped.
+        The controller's state: starting, idle, busy, dead or stopped. It is
+        current; the worker's report may be up to one interval old, so a
+        request's activity on a rank the controller knows idle reads "idle".
     activity : str or None
         The worker's own report (telemetry): idle, running cell, ...
     exitcode : int or None
@@ -76,7 +87,9 @@ def state_text(state: str, activity: str | None = None, exitcode: int | None = N
         return f"dead ({_exit_text(exitcode)})"
     if state in ("stopped", "starting"):
         return state
-    if activity:
+    if state == "idle" and activity in REQUEST_ACTIVITY.values():
+        return "idle"  # a sample taken before the request ended
+    if activity and not (state == "busy" and activity == "idle"):
         return activity
     return "running" if state == "busy" else state
 

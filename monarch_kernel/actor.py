@@ -1,0 +1,583 @@
+"""Actors: the single-controller actor API of PyTorch Monarch, in pure Python.
+
+::
+
+    from monarch_kernel import Actor, endpoint, this_host, current_rank
+
+    class Counter(Actor):
+        def __init__(self, start: int) -> None:
+            self.n = start
+
+        @endpoint
+        def incr(self, by: int = 1) -> int:
+            self.n += by
+            return self.n
+
+        @endpoint
+        async def where(self) -> int:
+            return current_rank().rank
+
+    procs = this_host().spawn_procs(per_host={"procs": 4})
+    counters = procs.spawn("counter", Counter, 0)         # an ActorMesh, 1 actor per rank
+    counters.incr.call(2).get()                            # ValueMesh of 2, 2, 2, 2
+    counters.slice(procs=1).incr.call_one().get()          # 3
+    await counters.where.choose()                          # the least busy rank
+    counters.incr.broadcast()                              # fire and forget
+    for f in counters.incr.stream(): print(f.get())        # completion order
+    procs.stop()
+
+Adverbs of an endpoint (Monarch's names): ``call`` (every actor ->
+``Future[ValueMesh]``), ``call_one`` (a mesh of exactly one actor ->
+``Future[value]``), ``choose`` (the least busy actor: fewest calls in flight
+from this caller), ``broadcast`` (no result; a failure is printed and kept
+in :attr:`ActorMesh.broadcast_failures`), ``stream`` (one future per actor,
+in completion order).
+
+Semantics: messages from one sender to one actor arrive in order; an actor
+handles one message at a time, on its own thread (async endpoints run on
+its own event loop); different actors run concurrently. Calls made from the
+controller go through the controller's socket; calls an actor (or a
+``%%mesh`` cell) makes go worker to worker over the workers' peer sockets
+(:mod:`monarch_kernel.actor_host`). Handles are picklable: pass them to
+other actors as arguments.
+
+What an endpoint prints during a call from the controller is shown, tagged
+by rank, when its future is waited on; failures reach the caller as an
+:class:`~monarch_kernel.errors.ActorError` that is also an instance of the
+original exception type.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from .actor_host import Packed, actor_point, context, dispatch_call, spawn_local, stop_local
+from .controller import Request
+from .errors import ActorError, MeshFailure, RemoteFailure, group_failures, remote_exception
+from .future import Future
+from .mesh import Point, Shape, ValueMesh
+from .sources import has_code, sources_for
+
+log = logging.getLogger("monarch_kernel.actor")
+
+__all__ = [
+    "Actor",
+    "ActorMesh",
+    "Endpoint",
+    "Future",
+    "broadcast_failures",
+    "current_rank",
+    "current_size",
+    "dispatch_call",
+    "endpoint",
+    "spawn_actor_mesh",
+    "spawn_local",
+    "stop_local",
+]
+
+A = TypeVar("A")
+_EMPTY = Packed.pack(((), {}))
+_MAX_SOURCE = 2 * 1024 * 1024  # bytes of source shipped per file, at most
+
+#: failures of broadcasts made from this process, newest last
+_broadcast_failures: deque[ActorError] = deque(maxlen=1000)
+
+
+class Actor:
+    """Base class of actors.
+
+    Subclass it, mark methods with :func:`endpoint`, and spawn one instance
+    per rank with ``proc_mesh.spawn(name, MyActor, *args, **kwargs)``. The
+    constructor runs on each rank, on the actor's own thread;
+    :func:`current_rank` and :func:`current_size` tell it where it is.
+    Classes defined in a notebook cell or in ``__main__`` are shipped by
+    value (cloudpickle).
+    """
+
+
+def endpoint(fn: Callable | None = None) -> Any:
+    """Mark a method of an :class:`Actor` as an endpoint (``@endpoint`` or ``@endpoint()``).
+
+    Sync and ``async def`` methods both work. Inside the actor the method
+    stays an ordinary method; on an :class:`ActorMesh` it becomes an
+    :class:`Endpoint` with the adverbs ``call``, ``call_one``, ``choose``,
+    ``broadcast`` and ``stream``.
+    """
+    def mark(f: Callable) -> Callable:
+        if not callable(f):
+            raise TypeError(f"@endpoint decorates methods, not {type(f).__name__} objects")
+        f.__monarch_endpoint__ = True  # type: ignore[attr-defined]
+        return f
+
+    return mark if fn is None else mark(fn)
+
+
+def current_rank() -> Point:
+    """The :class:`Point` of the calling actor in its mesh (coordinates and global rank).
+
+    On a worker outside an actor (a ``%%mesh`` cell), the worker's point.
+
+    Raises
+    ------
+    RuntimeError
+        On the controller (it is no rank of a mesh).
+    """
+    where = actor_point()
+    if where is None:
+        raise RuntimeError("current_rank() works inside an actor (or a %%mesh cell), "
+                           "not on the controller")
+    return where[0]
+
+
+def current_size() -> dict[str, int]:
+    """The sizes of the calling actor's mesh, e.g. ``{"hosts": 1, "procs": 4}``.
+
+    Raises
+    ------
+    RuntimeError
+        On the controller.
+    """
+    where = actor_point()
+    if where is None:
+        raise RuntimeError("current_size() works inside an actor (or a %%mesh cell), "
+                           "not on the controller")
+    return dict(where[1])
+
+
+def broadcast_failures() -> list[ActorError]:
+    """Failures of every broadcast made from this process (newest last, at most 1000)."""
+    return list(_broadcast_failures)
+
+
+# ------------------------------------------------------------ shared state
+class _Record:
+    """What every handle of one actor mesh shares within a process."""
+
+    def __init__(self, uid: str, name: str, procmesh: Any = None) -> None:
+        self.uid = uid
+        self.name = name
+        self.procmesh = procmesh
+        self.stopped: dict[int, str] = {}
+        self.inflight: dict[int, int] = {}
+        self.failures: deque[ActorError] = deque(maxlen=1000)
+        self.lock = threading.Lock()
+        self.turn = itertools.count()
+
+
+_records: weakref.WeakValueDictionary[str, _Record] = weakref.WeakValueDictionary()
+_records_lock = threading.Lock()
+
+
+def _record(uid: str, name: str, procmesh: Any = None) -> _Record:
+    with _records_lock:
+        rec = _records.get(uid)
+        if rec is None:
+            rec = _records[uid] = _Record(uid, name, procmesh)
+        return rec
+
+
+def _current_worker() -> Any:
+    mod = sys.modules.get("monarch_kernel.worker")
+    return getattr(mod, "current", None) if mod is not None else None
+
+
+# -------------------------------------------------------------- the mesh
+class ActorMesh(Generic[A]):
+    """One actor per rank of a process mesh (returned by ``ProcMesh.spawn``).
+
+    Endpoints are attributes: ``mesh.step.call(...)``. Handles are
+    picklable and can be passed to other actors, which then call the
+    endpoints worker to worker.
+
+    Attributes
+    ----------
+    name : str
+    shape : Shape
+        Named dimensions and the global ranks of the actors.
+    """
+
+    def __init__(self, record: _Record, shape: Shape, peers: dict[int, str],
+                 endpoints: tuple[str, ...], class_name: str) -> None:
+        self._record = record
+        self.shape = shape
+        self._peers = peers
+        self._endpoints = endpoints
+        self._class_name = class_name
+
+    @property
+    def name(self) -> str:
+        return self._record.name
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{dimension: size}``."""
+        return self.shape.dims
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.shape.ranks)
+
+    def __len__(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        stopped = " (stopped)" if all(r in self._record.stopped for r in self.shape.ranks) else ""
+        return f"<ActorMesh {self.name!r} {self._class_name} {self.shape.dims}{stopped}>"
+
+    def slice(self, **selectors: int | slice) -> ActorMesh[A]:
+        """The actors of a sub-mesh: ``procs=0`` (drops the dimension), ``procs=slice(0, 2)``.
+
+        Raises
+        ------
+        MeshError
+            For an unknown dimension, an index out of range or an empty slice.
+        """
+        return ActorMesh(self._record, self.shape.slice(**selectors), self._peers,
+                         self._endpoints, self._class_name)
+
+    def __getattr__(self, name: str) -> Endpoint:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._endpoints:
+            known = ", ".join(self._endpoints) or "none"
+            raise AttributeError(
+                f"{self._class_name} (actor mesh {self.name!r}) has no endpoint {name!r}; "
+                f"its endpoints: {known} (mark methods with @endpoint)"
+            )
+        ep = Endpoint(self, name)
+        self.__dict__[name] = ep
+        return ep
+
+    @property
+    def broadcast_failures(self) -> list[ActorError]:
+        """Failures of broadcasts to this actor mesh seen by this process, newest last."""
+        return list(self._record.failures)
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self._record.uid, self.name, self.shape.dims, self.shape.ranks,
+                           self._peers, self._endpoints, self._class_name))
+
+    # ------------------------------------------------------------- stopping
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the actors of this mesh (after the messages already sent to them).
+
+        Later calls raise :class:`MeshFailure`. Idempotent.
+
+        Raises
+        ------
+        RuntimeError
+            When called inside a worker (stop actor meshes from the controller).
+        """
+        rec = self._record
+        if rec.procmesh is None:
+            raise RuntimeError("stop actor meshes from the controller that spawned them")
+        ranks = [r for r in self.shape.ranks if r not in rec.stopped]
+        pm = rec.procmesh
+        if ranks and not pm.root._stopped:
+            ctl = pm.controller
+            live = [r for r in ranks if ctl.ranks[r].state not in ("dead", "stopped")]
+            if live:
+                req = ctl.request(live, "stop_actor", {"name": self.name})
+                if not req.wait(timeout):
+                    log.warning("actor %r did not stop within %s s", self.name, timeout)
+        for r in ranks:
+            rec.stopped[r] = "was stopped (ActorMesh.stop())"
+
+    def __enter__(self) -> ActorMesh[A]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------- sending
+    def _send(self, ranks: list[int], method: str, args: tuple, kwargs: dict,
+              oneway: bool) -> Request | None:
+        """Send one call to ``ranks``; the Request that collects the replies."""
+        rec = self._record
+        for r in ranks:
+            cause = rec.stopped.get(r)
+            if cause:
+                raise MeshFailure(f"actor {rec.name!r} on rank {r} {cause}", rank=r)
+        content: dict[str, Any] = {
+            "a": rec.name, "m": method, "u": rec.uid,
+            "p": Packed.pack((args, kwargs)) if args or kwargs else _EMPTY,
+        }
+        if oneway:
+            content["o"] = True
+        if has_code(args, kwargs):
+            content["s"] = sources_for([*args, *kwargs.values()])
+        w = _current_worker()
+        if w is not None:
+            from .actor_host import peer_host
+
+            return peer_host(w).request(ranks, self._peers, content, oneway)
+        pm = rec.procmesh
+        if pm is None:
+            raise RuntimeError(
+                f"this handle of actor mesh {rec.name!r} lives in a process that is neither "
+                "the controller that spawned it nor a worker of its mesh; it cannot call it"
+            )
+        pm._check()
+        ctl = pm.controller
+        if oneway:
+            for r in ranks:
+                if ctl.ranks[r].state in ("dead", "stopped"):
+                    raise ctl.rank_failure(r)
+            ctl.notify(ranks, "call", content)
+            return None
+        return ctl.request(ranks, "call", content)
+
+    def _future(self, ranks: list[int], method: str, args: tuple, kwargs: dict,
+                finish: Callable[[Request], Any]) -> Future[Any]:
+        """Send a call and return the Future that ``finish(request)`` completes."""
+        rec = self._record
+        try:
+            req = self._send(ranks, method, args, kwargs, False)
+        except MeshFailure as e:
+            return Future.failed(e)
+        assert req is not None
+        with rec.lock:
+            for r in ranks:
+                rec.inflight[r] = rec.inflight.get(r, 0) + 1
+        fut: Future[Any] = Future(pump=_Output(req) if _current_worker() is None else None,
+                                  guard=_self_call_guard(rec, ranks))
+
+        def done(q: Request) -> None:
+            with rec.lock:
+                for r in ranks:
+                    rec.inflight[r] -= 1
+            fut._complete(lambda: finish(q))
+
+        req.add_done_callback(done)
+        return fut
+
+
+def _rebuild(uid: str, name: str, dims: dict[str, int], ranks: list[int],
+             peers: dict[int, str], endpoints: tuple[str, ...], class_name: str) -> ActorMesh:
+    return ActorMesh(_record(uid, name), Shape(dims, ranks), peers, endpoints, class_name)
+
+
+class Endpoint:
+    """An endpoint of an :class:`ActorMesh`, with its adverbs.
+
+    Parameters
+    ----------
+    mesh : ActorMesh
+    name : str
+        The method's name.
+    """
+
+    def __init__(self, mesh: ActorMesh, name: str) -> None:
+        self._mesh = mesh
+        self._name = name
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self._mesh._class_name}.{self._name} of {self._mesh!r}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"an endpoint is not called directly; use .call(...) (every actor), .call_one(...), "
+            f".choose(...), .broadcast(...) or .stream(...) on {self._name!r}"
+        )
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
+        """Call every actor of the mesh.
+
+        Returns
+        -------
+        Future of ValueMesh
+            One value per actor, in the mesh's shape.
+        """
+        mesh = self._mesh
+        shape = mesh.shape
+        name = mesh.name
+
+        def finish(req: Request) -> ValueMesh:
+            _raise_failures(req, name)
+            return ValueMesh(shape, [req.replies[r][1].unpack() for r in shape.ranks])
+
+        return mesh._future(shape.ranks, self._name, args, kwargs, finish)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call the only actor of a mesh of size 1 (slice first: ``mesh.slice(procs=0)``).
+
+        Raises
+        ------
+        ValueError
+            If the mesh has more than one actor.
+        """
+        mesh = self._mesh
+        if len(mesh) != 1:
+            raise ValueError(
+                f"call_one() needs an actor mesh of exactly 1 actor, but {mesh.name!r} has "
+                f"{len(mesh)} {mesh.sizes}; slice it first (e.g. .slice(procs=0)) or use "
+                "call() or choose()"
+            )
+        return self._one(mesh.shape.ranks[0], args, kwargs)
+
+    def _one(self, rank: int, args: tuple, kwargs: dict) -> Future[Any]:
+        name = self._mesh.name
+
+        def finish(req: Request) -> Any:
+            _raise_failures(req, name)
+            return req.replies[rank][1].unpack()
+
+        return self._mesh._future([rank], self._name, args, kwargs, finish)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call one actor: the one with the fewest calls in flight from this process
+        (ties go round robin).
+
+        Returns
+        -------
+        Future
+            That actor's value.
+        """
+        mesh = self._mesh
+        rec = mesh._record
+        ranks = [r for r in mesh.shape.ranks if r not in rec.stopped] or mesh.shape.ranks
+        with rec.lock:
+            start = next(rec.turn) % len(ranks)
+            order = ranks[start:] + ranks[:start]
+            rank = min(order, key=lambda r: rec.inflight.get(r, 0))
+        return self._one(rank, args, kwargs)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Call every actor without waiting for results (fire and forget).
+
+        A failure on a rank is not lost: it is logged, printed to stderr and
+        kept in :attr:`ActorMesh.broadcast_failures` (and
+        :func:`broadcast_failures`) of the controller.
+
+        Raises
+        ------
+        MeshFailure
+            If an actor is already stopped or its process is dead.
+        """
+        self._mesh._send(self._mesh.shape.ranks, self._name, args, kwargs, True)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Call every actor; return an iterator of one future per actor, in completion
+        order (the k-th future holds the k-th value to arrive; ``.get()`` or ``await``).
+
+        The calls are sent at once, before the iterator is used.
+        """
+        inner = [self._one(r, args, kwargs) for r in self._mesh.shape.ranks]
+        pumps = [f._pump for f in inner if f._pump is not None]
+
+        def pump(final: bool) -> None:
+            for p in pumps:
+                p(final)
+
+        slots: list[Future[Any]] = [Future(pump=pump if pumps else None) for _ in inner]
+        counter = itertools.count()
+
+        def arrived(f: Future[Any]) -> None:
+            slots[next(counter)]._complete(lambda: f.get(0))
+
+        for f in inner:
+            f.add_done_callback(arrived)
+        return iter(slots)
+
+
+def _self_call_guard(rec: _Record, ranks: list[int]) -> Callable[[], None] | None:
+    inst = getattr(context, "actor", None)
+    if inst is None or inst.uid != rec.uid or inst.point.rank not in ranks:
+        return None
+
+    def guard() -> None:
+        raise RuntimeError(
+            f"actor {rec.name!r} on rank {inst.point.rank} waits for a call to its own "
+            "endpoint, which cannot run until the current one returns (one message at a "
+            "time); call the method directly (self.method(...)) or use broadcast()"
+        )
+
+    return guard
+
+
+def _raise_failures(req: Request, actor: str) -> None:
+    """Raise what went wrong with an actor call, if anything."""
+    if req.failure is not None:
+        raise req.failure
+    errors = [(r, v) for r, (status, v) in sorted(req.replies.items()) if status == "error"]
+    if not errors:
+        return
+    failures = []
+    for rank, v in errors:
+        exc = v.get("exc")
+        if isinstance(exc, Packed):
+            try:
+                exc = exc.unpack()
+            except Exception:  # noqa: BLE001 - the text still describes it
+                exc = None
+        if v.get("rejected") and isinstance(exc, MeshFailure):
+            raise exc  # the actor is not there (stopped, never spawned)
+        failures.append(RemoteFailure(rank, exc, v["type"], v["message"], v["traceback"], actor))
+    groups = group_failures(failures)
+    err = remote_exception(groups[0], ActorError)
+    if len(groups) > 1:
+        err.others = [remote_exception(g, ActorError) for g in groups[1:]]
+    raise err
+
+
+class _Output:
+    """Shows what ranks printed during a call (rank-tagged), while it is waited on."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.printer: Any = None
+
+    def __call__(self, final: bool) -> None:
+        q = self.req.events
+        if self.printer is None and q.empty():
+            return
+        from .output import RankPrinter
+
+        if self.printer is None:
+            self.printer = RankPrinter(_write)
+        while True:
+            try:
+                ev = q.get_nowait()
+            except queue.Empty:
+                break
+            if ev[0] == "stream":
+                self.printer.feed(ev[1], ev[2], ev[3])
+            elif ev[0] == "display":
+                _display(ev[1], ev[2])
+        if final:
+            self.printer.close()
+        else:
+            self.printer.flush_lines()
+
+
+def _write(name: str, text: str) -> None:
+    stream = sys.stdout if name == "stdout" else sys.stderr
+    stream.write(text)
+    stream.flush()
+
+
+def _display(rank: int, content: dict[str, Any]) -> None:
+    ip = sys.modules.get("IPython")
+    shell = ip.get_ipython() if ip is not None else None
+    if shell is None:
+        return
+    md = dict(content.get("metadata") or {})
+    md["monarch_rank"] = rank
+    shell.display_pub.publish(data=content["data"], metadata=md)
+
+
+def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
+                     kwargs: dict[str, Any], timeout: float | None = None) -> ActorMesh:
+    """Construct ``cls(*args, **kwargs)`` on every rank of ``procmesh``
+    (``ProcMesh.spawn``; see :func:`monarch_kernel.actor_spawn.spawn_actor_mesh`)."""
+    from .actor_spawn import spawn_actor_mesh as spawn
+
+    return spawn(procmesh, name, cls, args, kwargs, timeout)

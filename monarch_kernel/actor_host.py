@@ -1,0 +1,518 @@
+"""The worker side of actors: one thread per actor, and a peer socket.
+
+Threads of a worker that hosts actors (see :mod:`monarch_kernel.worker`
+for the others):
+
+``monarch-actor-<name>``
+    One per actor. Takes messages from the actor's queue one at a time, in
+    arrival order: the constructor first, then endpoint calls. Async
+    endpoints run to completion on the actor's own event loop before the
+    next message starts. Different actors run concurrently.
+``monarch-peer``
+    Owns this worker's *peer* ROUTER socket, where other workers' actors
+    call this worker's actors directly (worker to worker, never through the
+    controller), and one DEALER per peer this worker calls. Messages are
+    signed with the mesh key like every other message
+    (:meth:`~monarch_kernel.protocol.Codec.fork`). Other threads hand it
+    frames through an :class:`~monarch_kernel.transport.Outbox`.
+
+Calls from the controller arrive on the worker's own DEALER and are handed
+to the actor's queue by :func:`dispatch_call` (from the worker's I/O thread,
+which must not block). Replies to the controller go through
+:meth:`Worker.reply`; replies to peers through the peer socket.
+
+Arguments and results travel as :class:`Packed` pickles inside the message:
+they are unpickled by the thread that needs them (the actor's, the
+caller's), so a value that cannot be unpickled becomes an error reply
+instead of a dropped message, and no I/O thread spends time unpickling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import linecache
+import logging
+import os
+import pickle
+import queue
+import secrets
+import socket
+import threading
+from typing import Any
+
+import zmq
+
+from . import serialize
+from .controller import Request
+from .errors import MeshFailure, ProtocolError, SerializationError
+from .mesh import Point, Shape
+from .transport import Outbox, bind_router, connect_dealer, inproc_pair, is_loopback
+
+log = logging.getLogger("monarch_kernel.actor")
+
+__all__ = [
+    "Packed",
+    "context",
+    "dispatch_call",
+    "peer_host",
+    "register_sources",
+    "spawn_local",
+    "stats",
+    "stop_local",
+]
+
+#: per thread: ``.actor`` is the _ActorInstance whose thread this is
+context = threading.local()
+
+_ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+
+
+class Packed:
+    """A value pickled by :func:`serialize.dumps`, carried inside a message.
+
+    Large buffers (arrays, tensors) and a large pickle stream stay out of
+    band: they travel as their own ZeroMQ frames, without copies.
+    """
+
+    __slots__ = ("buffers", "payload")
+
+    def __init__(self, payload: Any, buffers: list[Any] | tuple = ()) -> None:
+        self.payload = payload
+        self.buffers = buffers
+
+    @classmethod
+    def pack(cls, obj: Any) -> Packed:
+        """Pickle ``obj`` now (raises SerializationError)."""
+        return cls(*serialize.dumps(obj))
+
+    def unpack(self) -> Any:
+        """Unpickle (raises SerializationError)."""
+        return serialize.loads(self.payload, self.buffers)
+
+    def __reduce__(self) -> tuple:
+        return (Packed, (pickle.PickleBuffer(self.payload),
+                         [pickle.PickleBuffer(b) for b in self.buffers]))
+
+
+def register_sources(sources: dict[str, list[str]] | None) -> None:
+    """Make shipped source files known to :mod:`linecache` (remote tracebacks
+    then show the lines of notebook cells and scripts)."""
+    for name, lines in (sources or {}).items():
+        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+
+
+def _user_traceback(tb: Any) -> Any:
+    """Drop this module's and asyncio's frames from the top of a traceback."""
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if f != __file__ and not f.startswith(_ASYNCIO_DIR):
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def _failure(worker: Any, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
+    e.__traceback__ = _user_traceback(e.__traceback__)
+    f = worker.describe_failure(e, with_traceback)
+    exc = f.get("exc")
+    try:
+        f["exc"] = Packed.pack(exc) if exc is not None else None
+    except SerializationError:
+        f["exc"] = None
+    return f
+
+
+# ------------------------------------------------------------------ actors
+class _ActorInstance:
+    """One actor on this worker: its object, queue, thread and event loop."""
+
+    def __init__(self, worker: Any, name: str, uid: str, point: Point,
+                 sizes: dict[str, int]) -> None:
+        self.worker = worker
+        self.name = name
+        self.uid = uid
+        self.point = point
+        self.sizes = sizes
+        self.obj: Any = None
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, name=f"monarch-actor-{name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        context.actor = self
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    break
+                if item[0] == "init":
+                    self._construct(item[1], item[2])
+                else:
+                    self._call(item[1], item[2], item[3])
+        finally:
+            if self.loop is not None:
+                self.loop.close()
+
+    def _run_maybe_async(self, value: Any) -> Any:
+        if asyncio.iscoroutine(value):
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                asyncio.set_event_loop(self.loop)
+            value = self.loop.run_until_complete(value)
+        return value
+
+    def _construct(self, packed: Packed, done: list[Any]) -> None:
+        try:
+            cls, args, kwargs = packed.unpack()
+            self.obj = cls(*args, **kwargs)
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported to the controller
+            done.append(_failure(self.worker, e))
+        done[0].set()
+
+    def _call(self, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
+        w = self.worker
+        method = c["m"]
+        oneway = c.get("o", False)
+        prev = w.current_parent
+        attribute = route is None and not oneway
+        if attribute:  # output written during the call goes to the caller's request
+            w.current_parent = mid
+        try:
+            if "s" in c:
+                register_sources(c["s"])
+            args, kwargs = c["p"].unpack()
+            fn = getattr(self.obj, method, None)
+            if fn is None or not getattr(fn, "__monarch_endpoint__", False):
+                raise AttributeError(
+                    f"actor {self.name!r} ({type(self.obj).__qualname__}) has no endpoint "
+                    f"{method!r}"
+                )
+            value = self._run_maybe_async(fn(*args, **kwargs))
+            try:
+                status, out = "ok", Packed.pack(value)
+            except SerializationError as e:
+                status, out = "error", _failure(w, e, with_traceback=False)
+                out["message"] = (
+                    f"rank {w.rank}: {type(self.obj).__qualname__}.{method} returned a "
+                    f"{type(value).__qualname__}, which cannot be sent back "
+                    f"({e.__cause__ or e}); return something picklable"
+                )
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            status, out = "error", _failure(w, e)
+        try:
+            _answer(w, mid, c, route, status, out)
+        finally:
+            if attribute and w.current_parent in (mid, None):
+                w.current_parent = prev
+
+
+def _answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, status: str,
+            value: Any) -> None:
+    """Send the result of call ``mid`` where it must go."""
+    if c.get("o"):  # broadcast: nobody waits; a failure is still reported
+        if status == "error":
+            if w.capture is not None:
+                w.capture.drain()
+            w.send("event", {"kind": "actor_error", "actor": c["a"], "method": c["m"],
+                             "uid": c.get("u"), "rank": w.rank, "failure": value})
+        return
+    if route is None:
+        w.reply(mid, status, value)
+    else:
+        host = peer_host(w)
+        host.outbox.send([b"r", *route, *host.codec.encode(
+            "reply", {"status": status, "value": value}, parent=mid)])
+
+
+def _missing(w: Any, name: str) -> MeshFailure:
+    host = _host
+    cause = host.stopped.get(name) if host is not None else None
+    if cause:
+        return MeshFailure(f"actor {name!r} on rank {w.rank} {cause}", rank=w.rank)
+    return MeshFailure(f"rank {w.rank} has no actor named {name!r} (it was not spawned there)",
+                       rank=w.rank)
+
+
+def _reject(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
+    e = _missing(w, c["a"])
+    failure = {"type": "monarch_kernel.errors.MeshFailure", "message": str(e),
+               "traceback": "", "exc": Packed.pack(e), "rejected": True}
+    _answer(w, mid, c, route, "error", failure)
+
+
+def dispatch_call(worker: Any, msg: Any) -> None:
+    """Hand a ``call`` message from the controller to its actor (worker I/O thread).
+
+    Never blocks: the actor's thread runs the call and replies.
+    """
+    c = msg.content
+    if "sys" in c:
+        if c["sys"] == "dead" and _host is not None:
+            _host.fail_rank(c["rank"], c.get("addr"), c["reason"])
+        return
+    inst = worker.actors.get(c["a"])
+    if inst is None:
+        _reject(worker, msg.id, c, None)
+        return
+    inst.queue.put(("call", msg.id, c, None))
+
+
+def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
+    """Construct one actor on this worker (worker main thread).
+
+    Returns
+    -------
+    dict
+        ``{"peer": address}`` (this worker's peer socket), plus
+        ``"failure"`` when the constructor raised (a failure dict, reported
+        as an ActorError by the controller).
+
+    Raises
+    ------
+    ValueError
+        If an actor of that name already runs here.
+    """
+    name = content["name"]
+    if name in worker.actors:
+        raise ValueError(
+            f"an actor named {name!r} already runs on rank {worker.rank}; stop it first "
+            "(actor_mesh.stop()) or pick another name"
+        )
+    host = peer_host(worker)
+    register_sources(content.get("sources"))
+    shape = Shape(content["dims"], content["ranks"])
+    point = next(p for p in shape.points() if p.rank == worker.rank)
+    inst = _ActorInstance(worker, name, content["uid"], point, shape.dims)
+    done: list[Any] = [threading.Event()]
+    inst.queue.put(("init", content["init"], done))
+    done[0].wait()
+    if done[1] is not None:
+        inst.queue.put(None)
+        return {"peer": host.address, "failure": done[1]}
+    worker.actors[name] = inst
+    host.stopped.pop(name, None)
+    return {"peer": host.address}
+
+
+def stop_local(worker: Any, name: str, timeout: float = 10.0) -> None:
+    """Stop actor ``name`` after the messages already queued for it (main thread)."""
+    inst = worker.actors.pop(name, None)
+    host = peer_host(worker)
+    host.stopped[name] = "was stopped (ActorMesh.stop())"
+    if inst is None:
+        return
+    inst.queue.put(None)
+    inst.thread.join(timeout)
+
+
+# ----------------------------------------------------------- peer socket
+_host: PeerHost | None = None
+_host_lock = threading.Lock()
+
+
+def peer_host(worker: Any) -> PeerHost:
+    """This worker's :class:`PeerHost`, started on first use."""
+    global _host
+    h = _host
+    if h is None:
+        with _host_lock:
+            if _host is None:
+                _host = PeerHost(worker)
+            h = _host
+    return h
+
+
+def stats() -> dict[str, int]:
+    """Counts of peer-to-peer messages of this worker (``in``, ``out``)."""
+    h = _host
+    return {"in": h.messages_in, "out": h.messages_out} if h else {"in": 0, "out": 0}
+
+
+def _bind_host(controller_address: str) -> str:
+    host = controller_address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if is_loopback(host):
+        return "127.0.0.1"
+    try:  # the address this machine uses to reach the controller
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class PeerHost:
+    """A worker's peer-to-peer endpoint for actor calls (see module docstring).
+
+    Attributes
+    ----------
+    address : str
+        ``tcp://host:port`` of the peer ROUTER.
+    stopped : dict of str to str
+        Names of actors stopped here, with the cause.
+    dead : dict of str to MeshFailure
+        Peer addresses of workers known to be gone (a restarted rank gets a
+        new address), with the failure that calls to them raise.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rank = worker.rank
+        self.codec = worker.codec.fork(f"r{worker.rank}")
+        self.ctx = worker.ctx
+        self.router, self.address = bind_router(self.ctx, _bind_host(worker.address))
+        self.pull, inproc = inproc_pair(self.ctx)
+        self.outbox = Outbox(self.ctx, inproc)
+        self.pending: dict[str, Request] = {}
+        self.dead: dict[str, MeshFailure] = {}
+        self.stopped: dict[str, str] = {}
+        self.messages_in = 0
+        self.messages_out = 0
+        self._lock = threading.Lock()
+        self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
+        self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
+        self._thread.start()
+
+    def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
+                oneway: bool) -> Request | None:
+        """Send a call to the actors of ``ranks`` (any thread of this worker).
+
+        Raises
+        ------
+        MeshFailure
+            If one of the ranks is known to be dead.
+        """
+        for r in ranks:
+            failure = self.dead.get(peers[r])
+            if failure is not None:
+                raise failure
+        mid = self.codec.new_id()
+        frames = self.codec.encode("call", content, id=mid)
+        req = None
+        if not oneway:
+            req = Request(mid, ranks)
+            with self._lock:
+                self.pending[mid] = req
+        for r in ranks:
+            self.outbox.send([b"d", peers[r].encode(), *frames])
+        return req
+
+    def fail_rank(self, rank: int, address: str | None, reason: str) -> None:
+        """Rank ``rank`` (peer ``address``) is gone: fail every call waiting on it,
+        and later calls to that address (any thread)."""
+        failure = MeshFailure(reason, rank=rank)
+        with self._lock:
+            if address:
+                self.dead[address] = failure
+            waiting = [q for q in self.pending.values() if q._reply_pending(rank)]
+            for q in waiting:
+                self.pending.pop(q.id, None)
+        for q in waiting:
+            q._fail(failure)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        dealers: dict[str, zmq.Socket] = {}
+        socks: set[zmq.Socket] = set()
+        try:
+            while True:
+                events = dict(poller.poll(1000))
+                if self.pull in events:
+                    while True:
+                        try:
+                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._forward(frames, dealers, socks, poller)
+                if self.router in events:
+                    while True:
+                        try:
+                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._incoming(frames)
+                for s in socks:
+                    if s in events:
+                        while True:
+                            try:
+                                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+                            except zmq.Again:
+                                break
+                            self._reply(frames)
+        except Exception:
+            log.exception("the peer I/O thread of rank %d failed", self.rank)
+
+    def _forward(self, frames: list[Any], dealers: dict[str, zmq.Socket],
+                 socks: set[zmq.Socket], poller: zmq.Poller) -> None:
+        kind = frames[0].bytes
+        try:
+            if kind == b"r":
+                self.router.send_multipart(frames[1:], copy=False)
+            else:
+                addr = frames[1].bytes.decode()
+                s = dealers.get(addr)
+                if s is None:
+                    s = dealers[addr] = connect_dealer(self.ctx, addr, self._ident)
+                    socks.add(s)
+                    poller.register(s, zmq.POLLIN)
+                s.send_multipart(frames[2:], copy=False)
+            self.messages_out += 1
+        except zmq.ZMQError as e:  # the peer is gone
+            log.debug("rank %d cannot send to a peer: %s", self.rank, e)
+
+    def _incoming(self, frames: list[Any]) -> None:
+        try:
+            msg = self.codec.decode(frames, router=True)
+        except ProtocolError as e:
+            log.warning("rank %d dropped a peer message: %s", self.rank, e)
+            return
+        self.messages_in += 1
+        if msg.type != "call":
+            return
+        c = msg.content
+        inst = self.worker.actors.get(c["a"])
+        if inst is None:
+            _reject(self.worker, msg.id, c, msg.identity)
+        else:
+            inst.queue.put(("call", msg.id, c, msg.identity))
+
+    def _reply(self, frames: list[Any]) -> None:
+        try:
+            msg = self.codec.decode(frames)
+        except ProtocolError as e:
+            log.warning("rank %d dropped a peer reply: %s", self.rank, e)
+            return
+        self.messages_in += 1
+        if msg.type != "reply" or not msg.sender.startswith("r"):
+            return
+        rank = int(msg.sender[1:])
+        with self._lock:
+            req = self.pending.get(msg.parent or "")
+            if req is None or not req._reply_pending(rank):
+                return
+            c = msg.content
+            req.replies[rank] = (c["status"], c["value"])
+            finished = len(req.replies) >= len(req.ranks)
+            if finished:
+                self.pending.pop(req.id, None)
+        if finished:
+            req._finish()  # completes the caller's future (outside the lock)
+
+
+def actor_point() -> tuple[Point, dict[str, int]] | None:
+    """The point and mesh sizes of the actor whose thread this is, if any."""
+    inst = getattr(context, "actor", None)
+    if inst is not None:
+        return inst.point, inst.sizes
+    from . import worker as _worker
+
+    w = _worker.current
+    if w is not None:
+        shape = Shape(w.shape)
+        return next(p for p in shape.points() if p.rank == w.rank), shape.dims
+    return None
+

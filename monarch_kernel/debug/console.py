@@ -1,0 +1,558 @@
+"""The controller side's debugger console: pdb prompts for paused ranks.
+
+While a ``%%mesh`` cell runs, the kernel hands every ``debug`` event of the
+cell's request to :meth:`DebugConsole.on_event`. The console waits a moment
+for the other ranks of the cell to pause or finish, then:
+
+- one rank paused: it prints ``rank 2 paused at <where>`` and pdb's location,
+  and prompts ``(Pdb rank 2)``; each line goes to that rank's pdb and its
+  output comes back (``n``, ``s``, ``c``, ``p x``, ``l``, ``w``, ``u``,
+  ``d``, ``b``, ``q``, ...). ``detach`` leaves pdb for the console.
+- several ranks paused: the ``(mesh-debug)`` console::
+
+      list                 rank, host, function, file:line of every paused rank
+      attach R             pdb on rank R (until ``detach``)
+      cast RANKS CMD       one pdb command on several ranks: 3, 1,2, 0:4,
+                           procs=1:3, hosts=0,procs=1, all
+      continue             continue every paused rank
+      quit                 quit every paused rank (their code raises BdbQuit)
+      detach               leave the console (``%mesh debug`` only)
+
+``%mesh debug`` runs the same console (:meth:`DebugConsole.run`) for ranks
+paused outside a running cell. With a frontend that cannot answer input
+requests (``allow_stdin`` false) every breakpoint is skipped with a warning
+naming the rank. A ``KeyboardInterrupt`` (the kernel's interrupt) releases
+the paused ranks and goes on to the caller.
+
+The console knows nothing of Jupyter: it is given an ``input_fn(prompt)``
+(the kernel's ``raw_input``, i.e. Jupyter's ``input_request``) and a
+``write(text)``. Ideas from pdb's own ``cmd.Cmd`` loop and from
+torch.distributed's ``_DistributedPdb`` / Monarch's ``debug_controller``
+(list / attach / cast / continue over ranks).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import RankSpecError
+from ..mesh import parse_ranks
+from .registry import DebugRegistry, DebugSession
+
+__all__ = ["DebugConsole", "parse_debug_ranks", "report_quits", "HELP"]
+
+HELP = """\
+(mesh-debug) commands:
+  list                 paused ranks: rank, host, function, file:line
+  attach R             pdb on rank R; pdb commands until  detach
+  cast RANKS CMD       run one pdb command on RANKS: 3 | 1,2 | 0:4 | procs=1:3 | all
+  continue             continue every paused rank (also: c)
+  quit                 quit debugging every paused rank; their code raises BdbQuit (also: q)
+  detach               leave this console (%mesh debug only; ranks stay paused)
+  help                 this text"""
+
+#: seconds to wait for more ranks of a cell to pause before prompting
+GATHER_QUIET = 1.0
+GATHER_MAX = 5.0
+
+
+def parse_debug_ranks(spec: str, shape: Any, world_size: int) -> list[int]:
+    """Ranks named by a console rank spec.
+
+    Parameters
+    ----------
+    spec : str
+        ``3``, ``1,2``, ``0:4`` (end excluded), ``all``, or dimension
+        selectors ``procs=1:3`` / ``hosts=0,procs=1`` over ``shape``.
+    shape : Shape
+        The mesh's shape (for dimension selectors).
+    world_size : int
+
+    Raises
+    ------
+    RankSpecError
+        For a spec that names no rank or a rank outside the mesh.
+    """
+    spec = spec.strip()
+    if "=" not in spec:
+        return parse_ranks(spec, world_size)
+    selectors: dict[str, int | slice] = {}
+    for part in spec.split(","):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name:
+            raise RankSpecError(
+                f"bad rank spec {spec!r}; mix no plain ranks with dimension selectors: "
+                "write e.g. procs=1:3 or hosts=0,procs=1"
+            )
+        try:
+            if ":" in value:
+                a, _, b = value.partition(":")
+                selectors[name] = slice(int(a) if a.strip() else None,
+                                        int(b) if b.strip() else None)
+            else:
+                selectors[name] = int(value)
+        except ValueError:
+            raise RankSpecError(f"bad selector {part!r}; write NAME=INDEX or NAME=START:STOP") \
+                from None
+    try:
+        return list(shape.slice(**selectors).ranks)
+    except Exception as e:  # noqa: BLE001 - MeshError from Shape.slice, said in one line
+        raise RankSpecError(f"bad rank spec {spec!r}: {e}; dimensions: {shape.dims}") from None
+
+
+def report_quits(req: Any, write: Callable[[str], None]) -> list[int]:
+    """Turn ``BdbQuit`` replies of ``req`` into a message; the ranks that quit.
+
+    Ranks whose code stopped because the user quit their debugger are not a
+    failure of the cell: their replies become ``("ok", None)`` and one line
+    says what happened.
+    """
+    quit_ranks = []
+    for rank, (status, value) in list(req.replies.items()):
+        if status == "error" and isinstance(value, dict) and \
+                str(value.get("type", "")).endswith("BdbQuit"):
+            req.replies[rank] = ("ok", None)
+            quit_ranks.append(rank)
+    if quit_ranks:
+        quit_ranks.sort()
+        who = f"rank {quit_ranks[0]}" if len(quit_ranks) == 1 else f"ranks {quit_ranks}"
+        write(f"{who}: debugging ended with quit; the cell's code stopped there (BdbQuit)\n")
+    return quit_ranks
+
+
+class _Leave(Exception):
+    """The user left the console (``detach`` in ``%mesh debug``)."""
+
+
+class DebugConsole:
+    """Drives the paused ranks of one request (or of a whole mesh) from prompts.
+
+    Parameters
+    ----------
+    registry : DebugRegistry
+        The controller's session registry.
+    mesh : ProcMesh
+        The mesh (its root shape names dimensions for rank specs).
+    input_fn : callable(prompt: str) -> str
+        Asks the user for one line; may raise ``EOFError`` or
+        ``KeyboardInterrupt``.
+    write : callable(text: str) -> None
+        Shows text to the user.
+    allow_stdin : bool
+        False when the frontend cannot answer prompts: breakpoints are
+        skipped with a warning.
+    req : Request or None
+        The running cell's request (None for ``%mesh debug``).
+    on_event : callable(event) or None
+        Shows the request's other events (stream, display) while debugging.
+    flush : callable() or None
+        Flushes held rank output before the console writes.
+    warn : callable(text: str) or None
+        Where warnings go (default: ``write``).
+    patience : float
+        Seconds a command's rank may run on while other ranks are paused
+        before the console prompts again (a rank stepping over a collective
+        waits for the paused ones).
+    """
+
+    def __init__(self, registry: DebugRegistry, mesh: Any, input_fn: Callable[[str], str],
+                 write: Callable[[str], None], *, allow_stdin: bool = True, req: Any = None,
+                 on_event: Callable[[tuple], None] | None = None,
+                 flush: Callable[[], None] | None = None,
+                 warn: Callable[[str], None] | None = None, patience: float = 2.0) -> None:
+        self.registry = registry
+        self.mesh = mesh
+        self.input_fn = input_fn
+        self._write_fn = write
+        self._warn_fn = warn or write
+        self.allow_stdin = allow_stdin
+        self.req = req
+        self.on_event_fn = on_event
+        self.flush_fn = flush
+        self.patience = patience
+        self.interrupted = False
+        self.console_mode = False
+        self._announced: dict[str, int] = {}
+        self._skipped: set[int] = set()
+        self._quit_ranks: set[int] = set()
+        self._hint_started = False
+
+    # ------------------------------------------------------------ output
+    def _write(self, text: str) -> None:
+        if not text:
+            return
+        if self.flush_fn is not None:
+            self.flush_fn()
+        self._write_fn(text if text.endswith("\n") else text + "\n")
+
+    def _warn(self, text: str) -> None:
+        if self.flush_fn is not None:
+            self.flush_fn()
+        self._warn_fn(text if text.endswith("\n") else text + "\n")
+
+    def _host(self, rank: int) -> str:
+        info = self.mesh.controller.ranks.get(rank)
+        return info.host if info is not None else ""
+
+    # ------------------------------------------------------------ waiting
+    def _paused(self) -> list[DebugSession]:
+        if self.req is None:
+            return self.registry.sessions("paused", ranks=self.mesh.root.ranks)
+        return self.registry.sessions("paused", parent=self.req.id)
+
+    def _pump(self, timeout: float) -> None:
+        """Show the request's other events for up to ``timeout`` seconds."""
+        if self.req is None:
+            self.registry.wait(self.registry.version, timeout)
+            return
+        try:
+            ev = self.req.events.get(timeout=timeout)
+        except queue.Empty:
+            if self.flush_fn is not None:
+                self.flush_fn()
+            return
+        if ev[0] == "debug":
+            content = ev[2] if len(ev) > 2 else {}
+            if isinstance(content, dict) and content.get("kind") == "note":
+                self._warn(content.get("text", ""))
+            return
+        if self.on_event_fn is not None:
+            self.on_event_fn(ev)
+
+    def _gather(self) -> None:
+        """Wait briefly until the cell's other ranks paused or finished too."""
+        if self.req is None:
+            return
+        start = last = time.monotonic()
+        version = self.registry.version
+        while True:
+            paused = {s.rank for s in self._paused()}
+            outstanding = [r for r in self.req.ranks
+                           if r not in self.req.replies and r not in paused]
+            now = time.monotonic()
+            if (not outstanding or self.req.done() or now - last > GATHER_QUIET
+                    or now - start > GATHER_MAX):
+                return
+            self._pump(0.05)
+            if self.registry.version != version:
+                version, last = self.registry.version, time.monotonic()
+
+    def _run(self, targets: list[DebugSession], line: str) -> list[DebugSession]:
+        """Send ``line`` to every target; wait for each to prompt again, end or run on.
+
+        Returns the targets' sessions as they are then. A target still
+        running after ``patience`` seconds while other ranks are paused is
+        left running (it may be waiting for them).
+        """
+        seq0 = {s.sid: s.seq for s in targets}
+        for s in targets:
+            self.registry.send(s, line)
+        while True:
+            now = time.monotonic()
+            current = [self.registry.get(t.sid) or t for t in targets]
+            waiting = [s for s in current
+                       if s.state != "ended" and not (s.state == "paused" and s.seq > seq0[s.sid])]
+            if not waiting:
+                return current
+            if self.req is not None and self.req.done():
+                return current
+            running = [s for s in waiting if s.state == "running" and s.seq > seq0[s.sid]]
+            if running and len(running) == len(waiting):
+                others = [p for p in self._paused() if p.sid not in seq0]
+                if others and all(now - s.since > self.patience for s in running):
+                    names = ", ".join(str(s.rank) for s in running)
+                    self._warn(f"rank {names} still running (it may wait for the paused ranks "
+                               f"{sorted({p.rank for p in others})}, e.g. in a collective)")
+                    return current
+            self._pump(0.05)
+
+    # ------------------------------------------------------------ entry points
+    def on_event(self, ev: tuple) -> None:
+        """Handle one ``("debug", rank, content)`` event of the running cell."""
+        content = ev[2] if len(ev) > 2 else {}
+        if isinstance(content, dict) and content.get("kind") == "note":
+            self._warn(content.get("text", ""))
+            return
+        self.serve()
+
+    def serve(self) -> None:
+        """Serve the cell's paused ranks until none is paused (cell mode)."""
+        if not self._paused():
+            return
+        try:
+            self._gather()
+            while True:
+                paused = self._paused()
+                if not paused:
+                    return
+                if self.interrupted:
+                    self.registry.release(paused)
+                    self._await_leave(paused)
+                    continue
+                if not self.allow_stdin:
+                    self._skip(paused)
+                    continue
+                if len(paused) == 1 and not self.console_mode:
+                    self._announce(paused)
+                    self._attached(paused[0])
+                else:
+                    if not self.console_mode:
+                        self._write(f"{_ranks_text(paused)} paused; (mesh-debug) console: "
+                                    "list, attach R, cast RANKS CMD, continue, quit, help")
+                    self.console_mode = True
+                    self._announce(paused, discard=True)
+                    self._prompt_console()
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+        finally:
+            self.console_mode = False
+            self._maybe_hint()
+
+    def run(self, wait: float = 0.0) -> None:
+        """Serve every paused rank of the mesh until none is paused or the user detaches
+        (``%mesh debug``).
+
+        Parameters
+        ----------
+        wait : float
+            Seconds to wait for a rank to pause when none is paused yet.
+        """
+        deadline = time.monotonic() + wait
+        while not self._paused() and time.monotonic() < deadline:
+            self._pump(0.05)
+        paused = self._paused()
+        if not paused:
+            self._write("no rank is paused in a debugger")
+            return
+        self.console_mode = True
+        self._write(f"{_ranks_text(paused)} paused; type  help  for the commands")
+        try:
+            while True:
+                paused = self._paused()
+                if not paused:
+                    self._write("no rank is paused any more")
+                    return
+                self._announce(paused, discard=True)
+                self._prompt_console()
+        except _Leave:
+            left = self._paused()
+            if left:
+                self._write(f"left the console; {_ranks_text(left)} still paused "
+                            "(%mesh debug to come back)")
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+
+    # ------------------------------------------------------------ modes
+    def _announce(self, paused: list[DebugSession], discard: bool = False) -> None:
+        """Say which ranks newly paused (``discard``: drop their pending pdb text, whose
+        location the line already names)."""
+        for s in paused:
+            if self._announced.get(s.sid) == s.seq:
+                continue
+            self._announced[s.sid] = s.seq
+            if discard:
+                self.registry.take_text(s)
+            thread = f" (thread {s.thread})" if s.thread and s.thread != "MainThread" else ""
+            self._write(f"rank {s.rank} paused at {s.where}{thread}")
+
+    def _skip(self, paused: list[DebugSession]) -> None:
+        for s in paused:
+            if s.rank not in self._skipped:
+                self._skipped.add(s.rank)
+                self._warn(f"rank {s.rank}: breakpoint at {s.where} skipped: this frontend "
+                           "cannot answer input requests (allow_stdin is false); the rank runs "
+                           "on (later breakpoints of this rank in this cell are skipped too)")
+        self.registry.release(paused)
+        self._await_leave(paused)
+
+    def _await_leave(self, sessions: list[DebugSession], timeout: float = 10.0) -> None:
+        seq0 = {s.sid: s.seq for s in sessions}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.req is not None and self.req.done():
+                return
+            if all((self.registry.get(t.sid) or t).seq > seq0[t.sid] for t in sessions):
+                return
+            self._pump(0.05)
+
+    def _interrupt(self) -> None:
+        self.interrupted = True
+        paused = self._paused()
+        if paused:
+            self.registry.release(paused)
+            self._warn(f"interrupted: {_ranks_text(paused)} released from the debugger")
+
+    def _ask(self, prompt: str) -> str | None:
+        try:
+            return self.input_fn(prompt)
+        except EOFError:
+            return None
+
+    def _attached(self, s: DebugSession) -> None:
+        """pdb on one session until it runs on, ends, or the user detaches."""
+        self._write(self.registry.take_text(s) or s.entry)
+        while True:
+            cur = self.registry.get(s.sid)
+            if cur is None or cur.state != "paused":
+                return
+            line = self._ask(cur.prompt or f"(Pdb rank {cur.rank}) ")
+            if line is None or line.strip() == "detach":
+                self.console_mode = True
+                self._write("detached; (mesh-debug) console (help for commands)")
+                return
+            after = self._run([cur], line)[0]
+            self._show(after, prefix=False)
+            self._announced[after.sid] = after.seq
+            if after.state != "paused":
+                return
+
+    def _show(self, s: DebugSession, prefix: bool) -> None:
+        text = self.registry.take_text(s)
+        if prefix and text:
+            text = "".join(f"[{s.rank}] {ln}\n" for ln in text.rstrip("\n").split("\n"))
+        self._write(text)
+        if s.state == "ended":
+            self._announced.pop(s.sid, None)
+            if s.reason == "quit":
+                self._quit_ranks.add(s.rank)
+                if self.req is None:  # in a cell, report_quits says it when the cell ends
+                    self._write(f"rank {s.rank}: quit; its code stops with BdbQuit")
+            elif s.reason == "returned":
+                self._write(f"rank {s.rank}: its code returned; debugging ended")
+            elif s.reason == "the rank died":
+                self._warn(f"rank {s.rank} died while being debugged")
+
+    def _prompt_console(self) -> None:
+        line = self._ask("(mesh-debug) ")
+        if line is None:
+            if self.req is None:
+                raise _Leave
+            line = "continue"
+        cmd, _, rest = line.strip().partition(" ")
+        rest = rest.strip()
+        paused = self._paused()
+        if not cmd:
+            return
+        if cmd in ("list", "ls"):
+            self._list(paused)
+        elif cmd == "attach":
+            target = self._one(rest, paused)
+            if target is not None:
+                self._attached(target)
+        elif cmd == "detach":
+            if self.req is None:
+                raise _Leave
+            self._write("the cell waits for its paused ranks: continue or quit them "
+                        "(or attach R and use pdb)")
+        elif cmd == "cast":
+            spec, _, command = rest.partition(" ")
+            if not spec or not command.strip():
+                self._write("usage: cast RANKS CMD   e.g.  cast 0:2 p rank")
+                return
+            self._cast(spec, command.strip(), paused)
+        elif cmd in ("continue", "c", "cont"):
+            self._all(paused, "c")
+        elif cmd in ("quit", "q", "exit"):
+            self._all(paused, "q")
+        elif cmd in ("help", "h", "?"):
+            self._write(HELP)
+        else:
+            self._write(f"unknown command {cmd!r}; type  help  for the commands "
+                        "(attach R for pdb commands)")
+
+    def _list(self, paused: list[DebugSession]) -> None:
+        rows = [("rank", "host", "function", "file:line")]
+        for s in paused:
+            thread = f" [{s.thread}]" if s.thread and s.thread != "MainThread" else ""
+            rows.append((str(s.rank), self._host(s.rank), s.function + thread,
+                         f"{s.filename}:{s.lineno}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        self._write("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                              for r in rows))
+
+    def _select(self, spec: str, paused: list[DebugSession]) -> list[DebugSession] | None:
+        if spec.strip() == "all":
+            return list(paused)
+        try:
+            ranks = parse_debug_ranks(spec, self.mesh.root.shape, self.mesh.world_size)
+        except RankSpecError as e:
+            self._write(str(e))
+            return None
+        chosen = [s for s in paused if s.rank in ranks]
+        missing = sorted(set(ranks) - {s.rank for s in chosen})
+        if missing:
+            self._write(f"not paused: {_compact_ranks(missing)}")
+        return chosen
+
+    def _one(self, spec: str, paused: list[DebugSession]) -> DebugSession | None:
+        if not spec:
+            self._write("usage: attach R   e.g.  attach 2")
+            return None
+        chosen = self._select(spec, paused)
+        if not chosen:
+            return None
+        if len({s.rank for s in chosen}) > 1:
+            self._write("attach takes one rank; use  cast RANKS CMD  for several")
+            return None
+        return chosen[0]
+
+    def _cast(self, spec: str, command: str, paused: list[DebugSession]) -> None:
+        chosen = self._select(spec, paused)
+        if chosen:
+            self._broadcast(chosen, command)
+
+    def _all(self, paused: list[DebugSession], command: str) -> None:
+        if paused:
+            verb = "continue" if command == "c" else "quit"
+            self._write(f"{_ranks_text(paused)}: {verb}")
+            self._broadcast(paused, command)
+
+    def _broadcast(self, sessions: list[DebugSession], command: str) -> None:
+        after = self._run(sessions, command)
+        for s in sorted(after, key=lambda s: s.rank):
+            self._show(s, prefix=True)
+            self._announced[s.sid] = s.seq
+
+    # ------------------------------------------------------------ hints
+    def _maybe_hint(self, delay: float = 3.0) -> None:
+        """After a quit, say so if the cell's other ranks keep running (a collective
+        may wait for the ranks that quit); never blocks."""
+        req = self.req
+        if req is None or not self._quit_ranks or self._hint_started or req.done():
+            return
+        self._hint_started = True
+        quit_ranks = sorted(self._quit_ranks)
+
+        def check() -> None:
+            if req.wait(delay):
+                return
+            waiting = [r for r in req.ranks if r not in req.replies and r not in quit_ranks]
+            if waiting and not self.registry.sessions("paused", parent=req.id):
+                req.events.put(("debug", -1, {
+                    "kind": "note",
+                    "text": f"{_plural(waiting)} still running after {_plural(quit_ranks)} "
+                            "quit; if they wait for it (a collective), interrupt the kernel "
+                            "to stop them",
+                }))
+
+        threading.Thread(target=check, name="monarch-debug-hint", daemon=True).start()
+
+
+def _compact_ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _plural(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_compact_ranks(ranks)}"
+
+
+def _ranks_text(sessions: list[DebugSession]) -> str:
+    ranks = sorted({s.rank for s in sessions})
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({_compact_ranks(ranks)})"

@@ -1,0 +1,827 @@
+"""The ``slurm`` launcher: workers are the tasks of a Slurm job.
+
+Outside an allocation, :meth:`SlurmLauncher.launch` submits a batch job with
+``sbatch`` whose script runs one ``srun`` step with one task per rank; inside
+an existing allocation (``SLURM_JOB_ID`` set, e.g. under ``salloc``) it starts
+that step with ``srun`` directly. Each task computes its rank from
+``SLURM_PROCID`` (block distribution: ranks are host-major), then execs
+``python -m monarch_kernel.worker``, which connects back to the controller.
+The mesh key reaches workers through the job's environment (``--export=ALL``)
+or, with ``key_dir``, through a 0600 file on a shared file system; never
+through argv or the batch script.
+
+While a job is queued, :meth:`SlurmLauncher.wait_started` prints its state
+(``job 12 PENDING (Resources)``); an interrupt (KeyboardInterrupt) then
+cancels it. A watcher thread reads the job's state every ``poll_interval``
+seconds (``squeue --json`` where it works, else ``squeue -o`` columns, then
+``scontrol show job`` and ``sacct`` for finished jobs), so that
+:meth:`SlurmLauncher.poll` stays cheap. :meth:`SlurmLauncher.stop` cancels the
+job (``scancel``) and waits until ``squeue`` no longer lists it.
+
+The Slurm command-line interface is the only contract used (as in
+submitit and dask-jobqueue); parsing accepts the JSON of Slurm 21.08 to 24.x
+(``job_state`` as a string or a list, ``exit_code`` as a wait status or an
+object) and the column output of older versions.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal as _signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MeshError, MeshFailure
+from ..netaddr import address_towards, primary_address
+from .base import Launcher, LaunchSpec, Placement, worker_command
+
+__all__ = ["SlurmLauncher", "JobInfo", "parse_squeue_json", "parse_squeue_columns",
+           "parse_scontrol_job", "decode_exit", "ACTIVE_STATES"]
+
+log = logging.getLogger("monarch_kernel.launchers.slurm")
+
+#: job states in which the job still holds (or waits for) resources
+ACTIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+    "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
+    "RESV_DEL_HOLD", "POWER_UP_NODE", "UPDATE_DB",
+})
+#: states in which the workers have not started yet
+WAITING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD",
+                            "REQUEUE_FED", "RESV_DEL_HOLD", "POWER_UP_NODE"})
+
+_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
+
+
+@dataclass
+class JobInfo:
+    """What Slurm says about one job (state names as ``squeue -o %T`` prints them)."""
+
+    job_id: str
+    state: str
+    reason: str = ""
+    nodes: str = ""
+    exit_code: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+def decode_exit(value: Any) -> int | None:
+    """An exit code from any of Slurm's spellings (negative: killed by that signal).
+
+    ``768`` (a wait status, JSON of 21.08/22.05), ``"3:0"`` (``rc:signal``,
+    scontrol and sacct), ``{"return_code": {"number": 3}, "signal": ...}``
+    (JSON of 23.x/24.x).
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        sig = value & 0x7F
+        return -sig if sig and sig != 0x7F else (value >> 8) & 0xFF
+    if isinstance(value, str):
+        m = re.match(r"^\s*(\d+)(?::(\d+))?\s*$", value)
+        if not m:
+            return None
+        rc, sig = int(m.group(1)), int(m.group(2) or 0)
+        return -sig if sig else rc
+    if isinstance(value, dict):
+        if "number" in value:  # {"set": true, "number": 3}
+            return int(value["number"]) if value.get("set", True) else None
+        sig = value.get("signal")
+        if isinstance(sig, dict):
+            sig = sig.get("id", sig.get("signal_id"))
+            if isinstance(sig, dict):
+                sig = sig.get("number") if sig.get("set", True) else None
+        if isinstance(sig, int) and sig > 0:
+            return -sig
+        rc = value.get("return_code")
+        if isinstance(rc, dict):
+            rc = rc.get("number") if rc.get("set", True) else None
+        return int(rc) if isinstance(rc, int) else None
+    return None
+
+
+def _state_name(value: Any) -> str:
+    if isinstance(value, list):
+        value = value[0] if value else ""
+    if isinstance(value, dict):  # {"current": [...]} in some versions
+        return _state_name(value.get("current") or value.get("name") or "")
+    return str(value or "").upper().rstrip("+")
+
+
+def parse_squeue_json(text: str, job_id: str) -> JobInfo | None:
+    """Job ``job_id`` from ``squeue --json`` output (None if it is not listed).
+
+    Raises
+    ------
+    ValueError
+        If ``text`` is not squeue's JSON.
+    """
+    data = json.loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
+        raise ValueError("no 'jobs' list in squeue's JSON")
+    for j in data["jobs"]:
+        if str(j.get("job_id")) != str(job_id):
+            continue
+        nodes = j.get("nodes") or j.get("node_list") or ""
+        return JobInfo(str(job_id), _state_name(j.get("job_state")),
+                       str(j.get("state_reason") or ""),
+                       nodes if isinstance(nodes, str) else "",
+                       decode_exit(j.get("exit_code")))
+    return None
+
+
+def parse_squeue_columns(text: str, job_id: str) -> JobInfo | None:
+    """Job ``job_id`` from ``squeue -h -o '%i|%T|%r|%N'`` output."""
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 2 and parts[0].strip() == str(job_id):
+            parts += [""] * (4 - len(parts))
+            return JobInfo(str(job_id), _state_name(parts[1].strip()), parts[2].strip(),
+                           parts[3].strip())
+    return None
+
+
+def parse_scontrol_job(text: str, job_id: str) -> JobInfo | None:
+    """Job ``job_id`` from ``scontrol show job -o ID`` (``Key=Value`` tokens)."""
+    fields = dict(re.findall(r"(\w+)=(\S*)", text))
+    if fields.get("JobId") != str(job_id) or "JobState" not in fields:
+        return None
+    nodes = fields.get("NodeList", "")
+    return JobInfo(str(job_id), _state_name(fields["JobState"]),
+                   fields.get("Reason", "").replace("None", ""),
+                   "" if nodes == "(null)" else nodes, decode_exit(fields.get("ExitCode")))
+
+
+@dataclass
+class _Unit:
+    """One launch: a batch job, or a step inside the user's allocation."""
+
+    job_id: str
+    ranks: list[int]
+    step_name: str
+    output: str | None
+    key_file: str | None = None
+    proc: subprocess.Popen | None = None  # the srun of an allocation step
+    step: str | None = None
+    state: str = "PENDING"
+    reason: str = ""
+    nodes: str = ""
+    exit_code: int | None = None
+    ended: bool = False
+    live: set[int] = field(default_factory=set)  # ranks whose exit is still to report
+    leftover_done: set[int] = field(default_factory=set)
+
+
+class SlurmLauncher(Launcher):
+    """Start each rank as one task of a Slurm job.
+
+    Parameters
+    ----------
+    partition, time, account : str, optional
+        ``--partition``, ``--time`` (e.g. ``"30"`` or ``"2:00:00"``), ``--account``.
+    gpus_per_node : int, optional
+        ``--gpus-per-node``; with ``--dist nccl`` LOCAL_RANK picks the GPU.
+    nodes : int, optional
+        Nodes to ask for (default: the shape's ``hosts``). ``nodes=1`` packs
+        every "host" of the shape onto one node (``-N1 -n H*P``), e.g. on a
+        one-node test cluster; ranks stay host-major.
+    extra_args : sequence of str or str
+        More ``sbatch`` arguments (``srun`` arguments inside an allocation).
+    allocation : bool, optional
+        Start steps in the current allocation (``srun``) instead of
+        submitting a job; default: when ``SLURM_JOB_ID`` is set.
+    python : str, optional
+        The Python the workers run (default: this one; it must exist at the
+        same path on the nodes).
+    key_dir : str, optional
+        A directory on a file system the nodes share: the mesh key goes to a
+        0600 file there instead of the job's environment (for sites that run
+        jobs with ``--export=NONE``). Removed at :meth:`stop`.
+    output : str
+        The batch job's output file (``%u`` user, ``%j`` job id). Workers'
+        output reaches the notebook; this file only holds what they wrote
+        before connecting or after dying (shown in failure messages when it
+        is readable here). Removed at :meth:`stop`.
+    job_name : str
+    poll_interval : float
+        Seconds between job-state queries of the watcher thread.
+    pending_timeout : float, optional
+        Give up (TimeoutError) if the job is still queued after this many
+        seconds; default: wait until interrupted.
+    report : callable(str), optional
+        Where progress lines go (default: print to stdout).
+    """
+
+    name = "slurm"
+    local = False
+
+    def __init__(
+        self,
+        partition: str | None = None,
+        time: str | None = None,
+        account: str | None = None,
+        gpus_per_node: int | None = None,
+        nodes: int | None = None,
+        extra_args: Sequence[str] | str = (),
+        allocation: bool | None = None,
+        python: str | None = None,
+        key_dir: str | None = None,
+        output: str = "/tmp/monarch-%u-%j.out",
+        job_name: str = "monarch",
+        poll_interval: float = 1.0,
+        pending_timeout: float | None = None,
+        report: Callable[[str], None] | None = None,
+    ) -> None:
+        self.partition, self.time, self.account = partition, time, account
+        if gpus_per_node is not None and int(gpus_per_node) < 0:
+            raise ValueError("--gpus-per-node must be 0 or more")
+        if nodes is not None and int(nodes) < 1:
+            raise ValueError("--nodes must be 1 or more")
+        self.gpus_per_node = None if gpus_per_node is None else int(gpus_per_node)
+        self.nodes = None if nodes is None else int(nodes)
+        self.extra_args = shlex.split(extra_args) if isinstance(extra_args, str) else list(
+            extra_args)
+        self.allocation = (bool(os.environ.get("SLURM_JOB_ID")) if allocation is None
+                           else allocation)
+        self.python = python
+        self.key_dir = key_dir
+        self.output = output
+        self.job_name = job_name
+        self.poll_interval = poll_interval
+        self.pending_timeout = pending_timeout
+        self.report = report or (lambda text: print(text, flush=True))
+        self.controller: Any = None
+        self.units: list[_Unit] = []
+        self._unit_of: dict[int, _Unit] = {}
+        self._exits: dict[int, int] = {}
+        self._json: bool | None = None  # does `squeue --json` work here?
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._tmpdir: str | None = None
+
+    # --------------------------------------------------------- running tools
+    @staticmethod
+    def _run(cmd: list[str], timeout: float = 30.0, input: str | None = None,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(cmd, input=input, capture_output=True, text=True,
+                                  timeout=timeout, env=env,
+                                  stdin=None if input is not None else subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise MeshError(
+                f"{cmd[0]} not found: --launcher slurm needs the Slurm client commands "
+                "(sbatch, srun, squeue, scancel) on PATH"
+            ) from None
+
+    def query(self, job_id: str) -> JobInfo | None:
+        """The state of ``job_id`` (None when Slurm could not be asked).
+
+        A job no longer known to Slurm is reported as state ``GONE``.
+        """
+        if self._json is not False:
+            try:
+                cp = self._run(["squeue", "--json", "--jobs", job_id])
+                if cp.returncode == 0:
+                    info = parse_squeue_json(cp.stdout, job_id)
+                    self._json = True
+                    if info is not None:
+                        return info
+                elif self._json is None and "Invalid job id" not in cp.stderr:
+                    self._json = False  # no --json here (Slurm < 21.08, or no plugin)
+            except ValueError:
+                self._json = False
+            except subprocess.TimeoutExpired:
+                return None
+        else:
+            try:
+                cp = self._run(["squeue", "-h", "--jobs", job_id, "-o", "%i|%T|%r|%N"])
+            except subprocess.TimeoutExpired:
+                return None
+            if cp.returncode == 0:
+                info = parse_squeue_columns(cp.stdout, job_id)
+                if info is not None:
+                    return info
+            elif "Invalid job id" not in cp.stderr:
+                return None
+        return self._finished(job_id)
+
+    def _finished(self, job_id: str) -> JobInfo | None:
+        """A job squeue no longer lists: scontrol, then sacct, else GONE."""
+        try:
+            cp = self._run(["scontrol", "show", "job", "-o", job_id])
+            if cp.returncode == 0:
+                info = parse_scontrol_job(cp.stdout, job_id)
+                if info is not None:
+                    return info
+            cp = self._run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o",
+                            "JobID,State,ExitCode,NodeList"])
+        except subprocess.TimeoutExpired:
+            return None
+        if cp.returncode == 0:
+            for line in cp.stdout.splitlines():
+                parts = line.split("|")
+                if len(parts) >= 3 and parts[0] == job_id:
+                    return JobInfo(job_id, _state_name(parts[1].split()[0] if parts[1] else ""),
+                                   "", parts[3] if len(parts) > 3 else "",
+                                   decode_exit(parts[2]))
+        return JobInfo(job_id, "GONE")
+
+    def _find_step(self, unit: _Unit) -> None:
+        try:
+            cp = self._run(["squeue", "-h", "--steps", "--jobs", unit.job_id,
+                            "-o", "%i|%j|%N"], timeout=10)
+        except (subprocess.TimeoutExpired, MeshError):
+            return
+        for line in cp.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) >= 2 and parts[1] == unit.step_name:
+                unit.step = parts[0].split(".", 1)[-1]
+                if len(parts) > 2 and parts[2]:
+                    unit.nodes = parts[2]
+                return
+
+    # ----------------------------------------------------------------- launch
+    def _task_script(self, spec: LaunchSpec, ranks: list[int], key_file: str | None) -> str:
+        cmd = worker_command(spec, None, self.python)
+        lines = [
+            "set -e",
+            f"ranks=({' '.join(str(r) for r in ranks)})",
+            'r=${ranks[${SLURM_PROCID:?this script runs as an srun task}]}',
+        ]
+        if key_file is not None:
+            lines.append(f"MONARCH_MESH_KEY=$(<{shlex.quote(key_file)}); export MONARCH_MESH_KEY")
+        cases = [f"{r}) export {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())};;"
+                 for r, env in spec.env.items() if r in ranks and env]
+        if cases:
+            lines.append('case "$r" in ' + " ".join(cases) + " esac")
+        lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
+        lines.append("exec " + " ".join(shlex.quote(c) for c in cmd) + ' --rank "$r"')
+        return "\n".join(lines) + "\n"
+
+    def _geometry(self, spec: LaunchSpec, ranks: list[int]) -> list[str]:
+        n = len(ranks)
+        hosts = int(spec.shape.get("hosts", 1)) if len(ranks) == spec.world_size else 1
+        nodes = min(self.nodes or hosts, n)
+        args = [f"--nodes={nodes}", f"--ntasks={n}"]
+        if nodes == hosts and n % nodes == 0:
+            args.append(f"--ntasks-per-node={n // nodes}")
+        return args
+
+    def _env(self, spec: LaunchSpec, key_file: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("MONARCH_MESH_KEY", None)
+        if key_file is None:
+            env["MONARCH_MESH_KEY"] = spec.key.hex()
+        return env
+
+    def _write_key(self, key: bytes) -> str | None:
+        if self.key_dir is None:
+            return None
+        os.makedirs(self.key_dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.key_dir, f".monarch-key-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex())
+        return path
+
+    def launch(self, spec: LaunchSpec) -> None:
+        """Submit the job (or start the step) for ``spec.ranks``; returns at once.
+
+        Raises
+        ------
+        MeshError
+            If ``sbatch`` / ``srun`` refuses (bad partition, account, ...).
+        """
+        ranks = list(spec.ranks)
+        step_name = f"{self.job_name}-{uuid.uuid4().hex[:8]}"
+        key_file = self._write_key(spec.key)
+        try:
+            unit = (self._launch_step if self.allocation else self._launch_job)(
+                spec, ranks, step_name, key_file)
+        except BaseException:
+            if key_file:
+                _unlink(key_file)
+            raise
+        with self._lock:
+            for r in ranks:
+                old = self._unit_of.get(r)
+                if old is not None:
+                    old.live.discard(r)
+                self._unit_of[r] = unit
+                self._exits.pop(r, None)
+            self.units.append(unit)
+        if self._watcher is None or not self._watcher.is_alive():
+            self._closing.clear()
+            self._watcher = threading.Thread(target=self._watch, name="monarch-slurm-watch",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _launch_job(self, spec: LaunchSpec, ranks: list[int], step_name: str,
+                    key_file: str | None) -> _Unit:
+        geometry = self._geometry(spec, ranks)
+        task = self._task_script(spec, ranks, key_file)
+        script = (
+            "#!/bin/bash\n"
+            f"# monarch_kernel mesh {spec.shape} ranks {ranks[0]}..{ranks[-1]}; "
+            f"controller {spec.address}\n"
+            f"task={shlex.quote(task)}\n"
+            f"exec srun --job-name={shlex.quote(step_name)} {' '.join(geometry)} "
+            "--distribution=block --kill-on-bad-exit=0 --label bash -c \"$task\"\n"
+        )
+        cmd = ["sbatch", "--parsable", f"--job-name={self.job_name}",
+               f"--output={self.output}", f"--chdir={os.getcwd()}", "--no-requeue",
+               *geometry]
+        if not any(a.startswith("--export") for a in self.extra_args):
+            cmd.append("--export=ALL")
+        for flag, value in (("--partition", self.partition), ("--time", self.time),
+                            ("--account", self.account), ("--gpus-per-node", self.gpus_per_node)):
+            if value is not None:
+                cmd.append(f"{flag}={value}")
+        cmd += self.extra_args
+        try:
+            cp = self._run(cmd, input=script, env=self._env(spec, key_file), timeout=60)
+        except subprocess.TimeoutExpired:
+            raise MeshError("sbatch did not answer within 60 s; is slurmctld up?") from None
+        m = re.match(r"^\s*(\d+)", cp.stdout)
+        if cp.returncode != 0 or not m:
+            why = (cp.stderr.strip() or cp.stdout.strip() or f"exit {cp.returncode}").splitlines()
+            raise MeshError(f"sbatch refused the job: {why[-1]}")
+        job_id = m.group(1)
+        output = self.output.replace("%u", getpass.getuser()).replace("%j", job_id)
+        return _Unit(job_id, ranks, step_name, output, key_file, live=set(ranks))
+
+    def _launch_step(self, spec: LaunchSpec, ranks: list[int], step_name: str,
+                     key_file: str | None) -> _Unit:
+        job_id = os.environ.get("SLURM_JOB_ID", "")
+        if not job_id:
+            raise MeshError("allocation=True needs SLURM_JOB_ID (run inside salloc or sbatch)")
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="monarch-slurm-")
+        fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out", dir=self._tmpdir)
+        cmd = ["srun", f"--jobid={job_id}", f"--job-name={step_name}",
+               *self._geometry(spec, ranks), "--distribution=block", "--kill-on-bad-exit=0",
+               "--label"]
+        if _slurm_version() >= (20, 11):
+            cmd.append("--overlap")  # share the allocation with the user's other steps
+        if self.gpus_per_node is not None:
+            cmd.append(f"--gpus-per-node={self.gpus_per_node}")
+        cmd += [*self.extra_args, "bash", "-c", self._task_script(spec, ranks, key_file)]
+        try:
+            proc = subprocess.Popen(cmd, env=self._env(spec, key_file), stdin=subprocess.DEVNULL,
+                                    stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
+        except FileNotFoundError:
+            raise MeshError("srun not found: --launcher slurm needs the Slurm client "
+                            "commands on PATH") from None
+        finally:
+            os.close(fd)
+        return _Unit(job_id, ranks, step_name, output, key_file, proc=proc, state="RUNNING",
+                     live=set(ranks))
+
+    # ------------------------------------------------------------- waiting
+    def attach(self, controller: Any) -> None:
+        """Remember the controller (for each rank's host and pid)."""
+        self.controller = controller
+
+    def wait_started(self, timeout: float) -> None:
+        """Wait while the job is queued, printing its state when it changes.
+
+        ``timeout`` is not used here (the connect timeout starts when the job
+        runs); ``pending_timeout`` bounds the wait in the queue.
+
+        Raises
+        ------
+        MeshFailure
+            If the job ended before it ran.
+        TimeoutError
+            If ``pending_timeout`` passed.
+        KeyboardInterrupt
+            Passed on (the caller cancels the job).
+        """
+        for unit in list(self.units):
+            if unit.proc is None:
+                self._wait_job(unit)
+
+    def _wait_job(self, unit: _Unit) -> None:
+        t0 = last_print = time.monotonic()
+        last: tuple[str, str] | None = None
+        delay, unknown_since = 0.2, None
+        while True:
+            info = self.query(unit.job_id)
+            now = time.monotonic()
+            if info is None:
+                unknown_since = unknown_since or now
+                if now - unknown_since > 60:
+                    raise MeshError(f"cannot read the state of Slurm job {unit.job_id} "
+                                    "(squeue fails); is slurmctld up?")
+            else:
+                unknown_since = None
+                self._update(unit, info)
+                if not info.active or info.state == "COMPLETING":
+                    raise MeshFailure(f"Slurm job {unit.job_id} ended ({self._describe(unit)}) "
+                                      f"before its workers started{self._tail(unit)}")
+                if info.state not in WAITING_STATES:  # RUNNING (or SUSPENDED, ...)
+                    self.report(f"job {unit.job_id} {info.state} on {info.nodes or '?'}")
+                    return
+                key = (info.state, info.reason)
+                if key != last or now - last_print >= 30:
+                    since = f", waiting {now - t0:.0f} s" if key == last else ""
+                    why = f" ({info.reason})" if info.reason not in ("", "None") else ""
+                    self.report(f"job {unit.job_id} {info.state}{why}{since}")
+                    last, last_print = key, now
+            if self.pending_timeout is not None and now - t0 > self.pending_timeout:
+                raise TimeoutError(f"Slurm job {unit.job_id} was still queued after "
+                                   f"{self.pending_timeout:g} s")
+            time.sleep(delay)
+            delay = min(2.0, delay * 1.5)
+
+    def _update(self, unit: _Unit, info: JobInfo) -> None:
+        unit.state, unit.reason = info.state, info.reason
+        if info.nodes:
+            unit.nodes = info.nodes
+        if not info.active or info.state == "COMPLETING":
+            self._ended(unit, info.exit_code)
+
+    def _ended(self, unit: _Unit, code: int | None) -> None:
+        with self._lock:
+            if unit.ended:
+                return
+            unit.ended = True
+            unit.exit_code = code
+            rc = code if code is not None else (0 if unit.state == "COMPLETED" else 1)
+            for r in unit.live:
+                self._exits[r] = rc
+            unit.live = set()
+
+    def _describe(self, unit: _Unit) -> str:
+        code = "" if unit.exit_code is None else f", exit code {unit.exit_code}"
+        return f"{unit.state}{code}"
+
+    def _tail(self, unit: _Unit, lines: int = 10) -> str:
+        text = _read_tail(unit.output)
+        if not text:
+            return ""
+        return "; its output:\n" + "\n".join(f"  {ln}" for ln in text.splitlines()[-lines:])
+
+    # ------------------------------------------------------------- watching
+    def _watch(self) -> None:
+        while not self._closing.wait(self.poll_interval):
+            for unit in list(self.units):
+                if unit.ended:
+                    continue
+                try:
+                    if unit.proc is not None:
+                        code = unit.proc.poll()
+                        if unit.step is None:
+                            self._find_step(unit)
+                        if code is not None:
+                            unit.state = "COMPLETED" if code == 0 else "FAILED"
+                            self._ended(unit, code)
+                        continue
+                    info = self.query(unit.job_id)
+                    if info is not None:
+                        self._update(unit, info)
+                        if unit.step is None and info.state == "RUNNING":
+                            self._find_step(unit)
+                except Exception:  # noqa: BLE001 - the watcher must survive a bad answer
+                    log.exception("watching Slurm job %s failed", unit.job_id)
+
+    def poll(self) -> dict[int, int]:
+        """Ranks whose job (or step) ended since the last call (cheap: no Slurm call)."""
+        with self._lock:
+            out, self._exits = self._exits, {}
+        return out
+
+    def forget(self, ranks: list[int]) -> None:
+        """Never report the current processes of ``ranks`` as exited."""
+        with self._lock:
+            for r in ranks:
+                unit = self._unit_of.get(r)
+                if unit is not None:
+                    unit.live.discard(r)
+                self._exits.pop(r, None)
+
+    def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
+        """What ``rank`` wrote to the job's output file (``srun --label`` lines),
+        plus unlabelled lines (srun's own errors), if the file is readable here."""
+        unit = self._unit_of.get(rank)
+        if unit is None or rank in unit.leftover_done or rank not in unit.ranks:
+            return []
+        unit.leftover_done.add(rank)
+        text = _read_tail(unit.output, 65536)
+        if not text:
+            return []
+        task = str(unit.ranks.index(rank))
+        mine = []
+        for line in text.splitlines():
+            m = _LABEL.match(line)
+            if m is None or m.group(1) == task:
+                mine.append(line if m is None else m.group(2))
+        return [("stderr", ("\n".join(mine[-40:]) + "\n").encode())] if mine else []
+
+    def placements(self) -> dict[int, Placement]:
+        """Each rank's node (from its hello, else the job's node list) and job[.step]."""
+        out = {}
+        ranks = self.controller.ranks if self.controller is not None else {}
+        for r, unit in list(self._unit_of.items()):
+            info = ranks.get(r)
+            host = (info.host if info is not None else "") or unit.nodes
+            pid = info.pid if info is not None else None
+            job = unit.job_id if unit.step is None else f"{unit.job_id}.{unit.step}"
+            out[r] = Placement(r, host, pid, job)
+        return out
+
+    # ------------------------------------------------------ signals, stopping
+    def signal(self, ranks: list[int], sig: int = _signal.SIGINT) -> None:
+        """Send ``sig`` to the tasks of ``ranks``.
+
+        Slurm signals whole steps: when ``ranks`` covers a step, ``scancel
+        --signal`` is used; for some ranks of a step, ``kill`` runs on their
+        nodes in an overlapping step (needs their pids, Slurm >= 20.11).
+        """
+        name = _signal.Signals(sig).name.removeprefix("SIG")
+        wanted = set(ranks)
+        for unit in self._units_of(ranks):
+            if unit.ended:
+                continue
+            mine = [r for r in unit.ranks if r in wanted]
+            if set(unit.ranks) <= wanted:
+                self._scancel(unit, f"--signal={name}")
+            else:
+                self._kill_tasks(unit, mine, name)
+
+    def _units_of(self, ranks: list[int] | None) -> list[_Unit]:
+        with self._lock:
+            if ranks is None:
+                return list(self.units)
+            return list({id(u): u for r in ranks if (u := self._unit_of.get(r))}.values())
+
+    def _target(self, unit: _Unit) -> str | None:
+        if unit.proc is None:
+            return unit.job_id
+        if unit.step is None:
+            self._find_step(unit)
+        return None if unit.step is None else f"{unit.job_id}.{unit.step}"
+
+    def _scancel(self, unit: _Unit, *args: str) -> None:
+        target = self._target(unit)
+        if target is None:  # a step whose id we never saw: signal srun itself
+            if unit.proc is not None and unit.proc.poll() is None:
+                sig = args[0].split("=", 1)[1] if args else "TERM"
+                unit.proc.send_signal(getattr(_signal, f"SIG{sig}", _signal.SIGTERM))
+            return
+        try:
+            cp = self._run(["scancel", *args, target], timeout=30)
+        except subprocess.TimeoutExpired:
+            log.warning("scancel %s did not answer within 30 s", target)
+            return
+        if cp.returncode != 0 and "already completing" not in cp.stderr.lower() + cp.stdout:
+            log.info("scancel %s: %s", target, cp.stderr.strip())
+
+    def _kill_tasks(self, unit: _Unit, ranks: list[int], sig: str) -> None:
+        by_host: dict[str, list[str]] = {}
+        for r in ranks:
+            info = self.controller.ranks.get(r) if self.controller is not None else None
+            if info is not None and info.pid and info.host:
+                by_host.setdefault(info.host, []).append(str(info.pid))
+        for host, pids in by_host.items():
+            cmd = ["srun", f"--jobid={unit.job_id}", "--overlap", "-N1", "-n1", f"-w{host}",
+                   "kill", f"-{sig}", *pids]
+            try:
+                self._run(cmd, timeout=30)
+            except (subprocess.TimeoutExpired, MeshError) as e:
+                log.warning("could not signal ranks %s on %s: %s", ranks, host, e)
+
+    def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
+        """Cancel the jobs (steps) of ``ranks`` (all if None) and wait until
+        Slurm lists them no more; remove key and output files."""
+        units = self._units_of(ranks)
+        wanted = None if ranks is None else set(ranks)
+        whole = [u for u in units if wanted is None or set(u.ranks) <= wanted]
+        for u in units:
+            if u not in whole:
+                self._kill_tasks(u, [r for r in u.ranks if r in wanted], "TERM")
+        # workers that got "stop" exit by themselves: give the job a moment to end
+        deadline = time.monotonic() + min(timeout, 2.0)
+        for u in whole:
+            while not self._gone(u) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        for u in whole:
+            if not self._gone(u):
+                waiting = u.state in WAITING_STATES
+                self._scancel(u)
+                if waiting:
+                    self.report(f"job {u.job_id} cancelled while {u.state}")
+        deadline = time.monotonic() + max(timeout, 60.0)  # KillWait and epilogs
+        for u in whole:
+            while not self._gone(u):
+                if time.monotonic() > deadline:
+                    log.warning("Slurm job %s still listed after scancel", u.job_id)
+                    break
+                time.sleep(0.2)
+            self._ended(u, u.exit_code)
+            for path in (u.key_file, u.output):
+                if path:
+                    _unlink(path)
+        with self._lock:
+            if all(u.ended for u in self.units):
+                self._closing.set()
+        if self._closing.is_set() and self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def _gone(self, unit: _Unit) -> bool:
+        """True once the job (or step) is no longer listed by Slurm."""
+        if unit.proc is not None:
+            if unit.proc.poll() is None:
+                return False
+            return True
+        info = self.query(unit.job_id)
+        if info is None:
+            return False
+        unit.state = info.state
+        if info.exit_code is not None:
+            unit.exit_code = info.exit_code
+        return not info.active
+
+    # ------------------------------------------------------------- binding
+    def default_bind(self) -> str:
+        """The address of the interface that reaches the Slurm nodes: towards
+        the allocation's first node inside one, else towards slurmctld."""
+        target = None
+        if self.allocation and os.environ.get("SLURM_JOB_NODELIST"):
+            try:
+                cp = self._run(["scontrol", "show", "hostnames",
+                                os.environ["SLURM_JOB_NODELIST"]], timeout=10)
+                target = (cp.stdout.split() or [None])[0]
+            except (subprocess.TimeoutExpired, MeshError):
+                pass
+        if target is None:
+            target = _slurmctld_host()
+        return (address_towards(target) if target else None) or primary_address()
+
+
+def _slurmctld_host() -> str | None:
+    """The (first) slurmctld host's address or name, from ``scontrol show config``."""
+    try:
+        cp = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                            timeout=10, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in cp.stdout.splitlines():
+        m = re.match(r"^\s*(?:SlurmctldHost\[0\]|ControlMachine|ControlAddr)\s*=\s*(\S+)", line)
+        if m:
+            value = m.group(1)
+            inner = re.match(r"^([^()]+)\(([^()]+)\)$", value)  # name(addr)
+            return inner.group(2) if inner else value
+    return None
+
+
+_version: tuple[int, int] | None = None
+
+
+def _slurm_version() -> tuple[int, int]:
+    global _version
+    if _version is None:
+        try:
+            out = subprocess.run(["srun", "--version"], capture_output=True, text=True,
+                                 timeout=10, stdin=subprocess.DEVNULL).stdout
+            m = re.search(r"(\d+)\.(\d+)", out)
+            _version = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        except (OSError, subprocess.TimeoutExpired):
+            _version = (0, 0)
+    return _version
+
+
+def _read_tail(path: str | None, size: int = 8192) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
