@@ -443,7 +443,9 @@ class Endpoint:
         """
         mesh = self._mesh
         rec = mesh._record
-        ranks = [r for r in mesh.shape.ranks if r not in rec.stopped] or mesh.shape.ranks
+        ctl = rec.procmesh.controller if rec.procmesh is not None else None
+        ranks = [r for r in mesh.shape.ranks if r not in rec.stopped and (
+            ctl is None or ctl.ranks[r].state not in ("dead", "stopped"))] or mesh.shape.ranks
         with rec.lock:
             start = next(rec.turn) % len(ranks)
             order = ranks[start:] + ranks[:start]

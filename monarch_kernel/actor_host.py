@@ -42,7 +42,7 @@ from typing import Any
 
 import zmq
 
-from . import serialize
+from . import serialize, telemetry
 from .controller import Request
 from .errors import MeshFailure, ProtocolError, SerializationError
 from .mesh import Point, Shape
@@ -180,6 +180,7 @@ class _ActorInstance:
         attribute = route is None and not oneway
         if attribute:  # output written during the call goes to the caller's request
             w.current_parent = mid
+        telemetry.set_activity(f"running endpoint {self.name}.{method}")
         try:
             if "s" in c:
                 register_sources(c["s"])
@@ -202,6 +203,7 @@ class _ActorInstance:
                 )
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             status, out = "error", _failure(w, e)
+        telemetry.set_activity(None)
         try:
             _answer(w, mid, c, route, status, out)
         finally:
@@ -451,7 +453,7 @@ class PeerHost:
         kind = frames[0].bytes
         try:
             if kind == b"r":
-                self.router.send_multipart(frames[1:], copy=False)
+                self.router.send_multipart(frames[1:], zmq.NOBLOCK, copy=False)
             else:
                 addr = frames[1].bytes.decode()
                 s = dealers.get(addr)
@@ -459,10 +461,10 @@ class PeerHost:
                     s = dealers[addr] = connect_dealer(self.ctx, addr, self._ident)
                     socks.add(s)
                     poller.register(s, zmq.POLLIN)
-                s.send_multipart(frames[2:], copy=False)
+                s.send_multipart(frames[2:], zmq.NOBLOCK, copy=False)
             self.messages_out += 1
-        except zmq.ZMQError as e:  # the peer is gone
-            log.debug("rank %d cannot send to a peer: %s", self.rank, e)
+        except zmq.ZMQError as e:  # the peer is gone or not reading: never block here
+            log.warning("rank %d dropped a message to a peer: %s", self.rank, e)
 
     def _incoming(self, frames: list[Any]) -> None:
         try:

@@ -67,6 +67,13 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
         )
     if not isinstance(name, str) or not name or name.startswith("_"):
         raise ValueError(f"actor mesh name {name!r}: give a non-empty name, e.g. 'trainer'")
+    endpoints = _endpoint_names(cls)
+    clash = [e for e in endpoints if hasattr(ActorMesh, e) or e == "shape" or e[:1] == "_"]
+    if clash:
+        raise ValueError(
+            f"endpoint {clash[0]!r} of {cls.__qualname__} cannot be reached on an ActorMesh "
+            "(an ActorMesh attribute has that name, or it starts with '_'); rename the method"
+        )
     procmesh._check()
     ctl = procmesh.controller
     _listen(ctl)
@@ -96,7 +103,7 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     rec = _record(uid, name, procmesh.root)
     peers = {r: v["peer"] for r, (_, v) in req.replies.items()}
     _peer_addrs.setdefault(ctl, {}).update(peers)
-    return ActorMesh(rec, shape, peers, _endpoint_names(cls), cls.__qualname__)
+    return ActorMesh(rec, shape, peers, endpoints, cls.__qualname__)
 
 
 def _unpack_exc(failure: dict[str, Any]) -> BaseException | None:

@@ -30,7 +30,7 @@ import zmq
 
 from . import protocol
 from .errors import MeshFailure, ProtocolError, RemoteFailure, TransportError
-from .transport import Outbox, bind_router, inproc_pair
+from .transport import Outbox, bind_router, inproc_pair, is_loopback
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -161,6 +161,9 @@ class Controller:
         actor work). Default: logged.
     key : bytes or None
         The mesh key; a fresh random one by default.
+    encrypt : bool or None
+        Encrypt traffic with CurveZMQ. Default: on when ``bind`` is not a
+        loopback address. Turning it off there prints a warning.
     """
 
     def __init__(
@@ -169,6 +172,7 @@ class Controller:
         heartbeat: float = 1.0,
         on_output: Callable[[int, str, str], None] | None = None,
         key: bytes | None = None,
+        encrypt: bool | None = None,
     ) -> None:
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
@@ -176,7 +180,17 @@ class Controller:
         self.on_output = on_output
         self.on_event: Callable[[int, Any], None] | None = None
         self.ctx = zmq.Context()
-        self.router, self.address = bind_router(self.ctx, bind)
+        if encrypt is None:
+            encrypt = not is_loopback(bind)
+        self.curve_public_key: bytes | None = None
+        secret = None
+        if encrypt:
+            self.curve_public_key, secret = zmq.curve_keypair()
+        elif not is_loopback(bind):
+            log.warning("the controller binds %s, beyond loopback, with encryption turned "
+                        "off: messages are signed but anyone on that network can read them",
+                        bind)
+        self.router, self.address = bind_router(self.ctx, bind, secret)
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.ranks: dict[int, RankInfo] = {}

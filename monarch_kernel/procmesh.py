@@ -355,6 +355,7 @@ def spawn_procs(
     telemetry_interval: float = 1.0,
     restart: str = "never",
     max_restarts: int = 3,
+    encrypt: bool | None = None,
 ) -> ProcMesh:
     """Start a mesh of worker processes.
 
@@ -373,8 +374,8 @@ def spawn_procs(
         Address the controller binds: an IPv4 address, an interface name,
         a host name or ``0.0.0.0``. Default: loopback for the local launcher,
         else the launcher's ``default_bind()`` (for Slurm: the address that
-        routes to the cluster). Beyond loopback a warning says that traffic
-        is signed but not encrypted.
+        routes to the cluster). Beyond loopback, traffic is encrypted with
+        CurveZMQ (see ``encrypt``).
     heartbeat : float
         Seconds between heartbeats.
     timeout : float
@@ -387,6 +388,10 @@ def spawn_procs(
         Restart ranks that die automatically (:mod:`.supervision`).
     max_restarts : int
         Restart budget of the whole mesh with ``restart="on-failure"``.
+    encrypt : bool or None
+        Encrypt controller/worker traffic with CurveZMQ. Default: on when the
+        controller binds beyond loopback; turning it off there prints a
+        warning (messages are still signed).
 
     Returns
     -------
@@ -414,12 +419,13 @@ def spawn_procs(
     if n > 4096:
         raise MeshError(f"{n} ranks is more than this controller supports (4096)")
     la = get_launcher(launcher, **(launcher_options or {}))
-    ctl = _controller_for(la, bind, heartbeat, on_output)
+    ctl = _controller_for(la, bind, heartbeat, on_output, encrypt)
     mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
     ctl.expect(ranks, local=la.local)
     spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat,
-                      telemetry_interval=telemetry_interval)
+                      telemetry_interval=telemetry_interval,
+                      curve_server_key=ctl.curve_public_key)
     mesh.spec = spec
     ctl.poll_exits = la.poll
     ctl.leftover_output = la.leftover_output
@@ -455,8 +461,8 @@ def _rank0_endpoint(root: ProcMesh, controller_host: str, timeout: float) -> tup
     return addr, int(port)
 
 
-def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any
-                    ) -> Controller:
+def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any,
+                    encrypt: bool | None = None) -> Controller:
     """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
     from .netaddr import is_wildcard, resolve_bind
     from .transport import is_loopback
@@ -465,15 +471,18 @@ def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output:
         addr = resolve_bind(bind) if bind else la.default_bind()
     except ValueError as e:
         raise MeshError(str(e)) from None
-    ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output)
+    if encrypt is None:
+        encrypt = not is_loopback(addr)
+    ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
     if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
         ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
-    if not is_loopback(addr):
+    if not is_loopback(addr) and not encrypt:
         import sys
 
-        print(f"warning: the mesh controller listens on {ctl.address} (not loopback); "
-              "mesh traffic is signed (HMAC) but NOT encrypted, so anyone on that network "
-              "can read it; use only trusted networks", file=sys.stderr, flush=True)
+        print(f"warning: the mesh controller listens on {ctl.address} (not loopback) with "
+              "encryption turned off: mesh traffic is signed (HMAC) but NOT encrypted, so "
+              "anyone on that network can read it; use only trusted networks",
+              file=sys.stderr, flush=True)
     return ctl
 
 

@@ -10,7 +10,10 @@ Two patterns are used everywhere:
   messages from all threads keep one order (a reply never overtakes the
   output that preceded it).
 
-Sockets are closed with ``linger=0`` (as in pyzmq's own tests).
+Sockets are closed with ``linger=0`` (as in pyzmq's own tests). Bound to
+loopback, traffic is signed (see :mod:`protocol`) but not encrypted; bound to
+any other address, the controller's ROUTER is a CurveZMQ server and workers
+connect with its public key, so traffic is encrypted too.
 """
 
 from __future__ import annotations
@@ -40,8 +43,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bind_router(ctx: zmq.Context, host: str = "127.0.0.1") -> tuple[zmq.Socket, str]:
+def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
+                curve_secret_key: bytes | None = None) -> tuple[zmq.Socket, str]:
     """Bind a ROUTER socket to a random port on ``host``.
+
+    With ``curve_secret_key`` (Z85, from :func:`zmq.curve_keypair`) the socket
+    is a CurveZMQ server: every connection is encrypted (RFC 26 / CurveZMQ).
 
     Returns
     -------
@@ -58,6 +65,9 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1") -> tuple[zmq.Socket, 
     sock.linger = 0
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve_secret_key is not None:
+        sock.curve_secretkey = curve_secret_key
+        sock.curve_server = True
     try:
         port = sock.bind_to_random_port(f"tcp://{host}")
     except zmq.ZMQError as e:
@@ -69,8 +79,12 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1") -> tuple[zmq.Socket, 
     return sock, f"tcp://{host}:{port}"
 
 
-def connect_dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
+def connect_dealer(ctx: zmq.Context, address: str, identity: bytes,
+                   curve_server_key: bytes | None = None) -> zmq.Socket:
     """Connect a DEALER with a fixed routing identity to ``address``.
+
+    With ``curve_server_key`` (the server's Z85 public key) the connection is
+    encrypted with CurveZMQ, using a fresh client key pair.
 
     Raises
     ------
@@ -80,6 +94,11 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socke
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.setsockopt(zmq.IDENTITY, identity)
+    if curve_server_key is not None:
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
     try:
         sock.connect(address)
     except zmq.ZMQError as e:

@@ -71,6 +71,8 @@ class Worker:
         Seconds between heartbeats.
     heartbeat_timeout : float
         Exit after this many seconds without hearing from the controller.
+    curve_server_key : bytes or None
+        The controller's CurveZMQ public key; the connection is encrypted.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Worker:
         controller_pid: int | None = None,
         heartbeat: float = 1.0,
         heartbeat_timeout: float = 6.0,
+        curve_server_key: bytes | None = None,
     ) -> None:
         self.address = address
         self.rank = rank
@@ -93,7 +96,7 @@ class Worker:
         self.heartbeat_timeout = heartbeat_timeout
         self.codec = protocol.Codec(key, f"r{rank}")
         self.ctx = zmq.Context()
-        self.dealer = connect_dealer(self.ctx, address, f"r{rank}".encode())
+        self.dealer = connect_dealer(self.ctx, address, f"r{rank}".encode(), curve_server_key)
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
@@ -435,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-pid", type=int, default=None)
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
+    p.add_argument("--curve-server-key", default=None,
+                   help="the controller's CurveZMQ public key (Z85): encrypt the connection")
     p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,
                    help="seconds between telemetry samples; 0 turns telemetry off")
     args = p.parse_args(argv)
@@ -457,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         controller_pid=args.controller_pid,
         heartbeat=args.heartbeat,
         heartbeat_timeout=args.heartbeat_timeout,
+        curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
     )
     w.telemetry_interval = args.telemetry_interval
     current = w

@@ -109,7 +109,8 @@ def test_actors_share_processes_with_mesh_cells(kc):
     assert r.status == "ok", r.error_text()
     r = kc.execute("%%mesh\nimport os\nmy_pid = os.getpid()")
     assert r.status == "ok", r.error_text()
-    r = kc.execute("print(sorted((%mesh pull my_pid).values()) == sorted(actor_pids))")
+    r = kc.execute("cell_pids = %mesh pull my_pid\nprint(sorted(cell_pids.values()) == "
+                   "sorted(actor_pids))")
     assert r.stream().strip() == "True", r.error_text()
 
 
@@ -123,26 +124,32 @@ def test_a_mesh_cell_calls_an_actor_worker_to_worker(kc):
 
 
 def test_actor_demo_script_runs():
-    before = set(worker_pids())
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "actor_demo.py")],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "actor_demo.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out + err
     for marker in ("call ->", "call_one(procs=1) -> 11", "choose while rank 0 is busy",
                    "broadcast ->", "stream (completion order) -> [3, 2, 1, 0]",
                    "await -> ok", "except KeyError", "timeout -> still running",
                    "relay.total ->", "after stop ->", "OK ("):
         assert marker in out, out
-    assert not set(worker_pids()) - before
+    assert not worker_pids(proc.pid)  # the script's workers ended with it
 
 
 def test_actors_notebook_trains_to_90_percent():
     import nbformat
     from nbclient import NotebookClient
 
-    before = set(worker_pids())
     nb = nbformat.read(ROOT / "notebooks" / "02_actors.ipynb", as_version=4)
-    NotebookClient(nb, kernel_name="monarch", timeout=300, allow_errors=False).execute()
+    pids: list[int] = []
+    client = NotebookClient(nb, kernel_name="monarch", timeout=300, allow_errors=False)
+    client.on_cell_execute = lambda **_: pids.append(client.km.provisioner.process.pid)
+    client.execute()
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
                    if o.get("output_type") == "stream")
     m = re.search(r"held-out accuracy: ([0-9.]+)", text)
@@ -150,4 +157,4 @@ def test_actors_notebook_trains_to_90_percent():
     assert re.search(r"step 100 +version 100", text)
     assert "(chosen) scores the final weights" in text
     assert "RuntimeError from server" in text
-    assert not set(worker_pids()) - before
+    assert pids and not worker_pids(pids[0])  # the notebook's workers are gone

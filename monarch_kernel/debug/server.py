@@ -48,6 +48,7 @@ from typing import Any
 __all__ = [
     "RemotePdb",
     "install",
+    "uninstall",
     "deliver",
     "breakpointhook",
     "set_trace",
@@ -477,6 +478,17 @@ def install(worker: Any) -> None:
     pdb.set_trace = set_trace
     pdb.post_mortem = post_mortem
     pdb.pm = pm
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests that drive a RemotePdb in their own process)."""
+    global _worker
+    _worker = None
+    if _original:
+        pdb.set_trace = _original["set_trace"]
+        pdb.post_mortem = _original["post_mortem"]
+        pdb.pm = _original["pm"]
+    sys.breakpointhook = sys.__breakpointhook__
 
 
 # BdbQuit is what ``q`` raises in the paused code; re-exported for callers

@@ -178,6 +178,7 @@ class _Unit:
     key_file: str | None = None
     proc: subprocess.Popen | None = None  # the srun of an allocation step
     step: str | None = None
+    step_tried: float = 0.0  # when squeue --steps was last asked
     state: str = "PENDING"
     reason: str = ""
     nodes: str = ""
@@ -343,6 +344,7 @@ class SlurmLauncher(Launcher):
         return JobInfo(job_id, "GONE")
 
     def _find_step(self, unit: _Unit) -> None:
+        unit.step_tried = time.monotonic()
         try:
             cp = self._run(["squeue", "-h", "--steps", "--jobs", unit.job_id,
                             "-o", "%i|%j|%N"], timeout=10)
@@ -638,6 +640,9 @@ class SlurmLauncher(Launcher):
         """Each rank's node (from its hello, else the job's node list) and job[.step]."""
         out = {}
         ranks = self.controller.ranks if self.controller is not None else {}
+        for unit in {id(u): u for u in self._unit_of.values()}.values():
+            if unit.step is None and not unit.ended and time.monotonic() - unit.step_tried > 1:
+                self._find_step(unit)
         for r, unit in list(self._unit_of.items()):
             info = ranks.get(r)
             host = (info.host if info is not None else "") or unit.nodes
