@@ -187,7 +187,7 @@ class Controller:
         if encrypt:
             self.curve_public_key, secret = zmq.curve_keypair()
         elif not is_loopback(bind):
-            log.warning("the controller binds %s, beyond loopback, with encryption turned "
+            log.info("the controller binds %s, beyond loopback, with encryption turned "
                         "off: messages are signed but anyone on that network can read them",
                         bind)
         self.router, self.address = bind_router(self.ctx, bind, secret)

@@ -26,10 +26,18 @@ class RankPrinter:
         Where tagged text goes (``name`` is ``"stdout"`` or ``"stderr"``).
     fold : bool
         Fold identical lines from several ranks into one.
+    on_progress : callable(rank, name, text, first) or None
+        Receives a rank's progress line (text after the last ``\r`` of an
+        unfinished line, and the finished line that ends it) so a frontend
+        can show one line per rank updated in place. Without it, progress
+        lines are printed once finished.
     """
 
-    def __init__(self, write: Callable[[str, str], None], fold: bool = True) -> None:
+    def __init__(self, write: Callable[[str, str], None], fold: bool = True,
+                 on_progress: Callable[[int, str, str, bool], None] | None = None) -> None:
         self._write = write
+        self._on_progress = on_progress
+        self._progress: dict[tuple[int, str], str] = {}
         self._partial: dict[tuple[int, str], str] = {}
         self._fold = fold
         self._held: list[tuple[str, str, list[int]]] = []  # (name, line, ranks)
@@ -44,7 +52,20 @@ class RankPrinter:
         for line in lines:
             if "\r" in line:
                 line = line.rstrip("\r").rsplit("\r", 1)[-1]
+            if key in self._progress and self._on_progress is not None:
+                # the progress bar finished: its last state stays where it was drawn
+                del self._progress[key]
+                self._on_progress(rank, name, line, False)
+                continue
             self._add(rank, name, line)
+        if rest and "\r" in rest and self._on_progress is not None:
+            current = rest.rstrip("\r").rsplit("\r", 1)[-1]
+            self._partial[key] = current
+            if current and self._progress.get(key) != current:
+                first = key not in self._progress
+                self._progress[key] = current
+                self.flush_lines()
+                self._on_progress(rank, name, current, first)
 
     def _add(self, rank: int, name: str, line: str) -> None:
         if self._fold:
@@ -78,6 +99,9 @@ class RankPrinter:
     def close(self) -> None:
         """Write everything, including unfinished lines."""
         for (rank, name), rest in sorted(self._partial.items()):
+            if (rank, name) in self._progress:
+                continue  # already shown in place
             self._add(rank, name, rest.rsplit("\r", 1)[-1])
         self._partial.clear()
+        self._progress.clear()
         self.flush_lines()

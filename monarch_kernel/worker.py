@@ -442,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the controller's CurveZMQ public key (Z85): encrypt the connection")
     p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,
                    help="seconds between telemetry samples; 0 turns telemetry off")
+    p.add_argument("--max-header", type=int, default=protocol.DEFAULT_MAX_HEADER,
+                   help="bytes: larger header+payload of a message is dropped (default 64 MiB)")
+    p.add_argument("--max-buffers", type=int, default=protocol.DEFAULT_MAX_BUFFERS,
+                   help="bytes: larger out-of-band buffers of a message are dropped (1 GiB)")
     args = p.parse_args(argv)
     key_hex = os.environ.pop("MONARCH_MESH_KEY", "")
     if not key_hex:
@@ -465,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
     )
     w.telemetry_interval = args.telemetry_interval
+    w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers
     current = w
     sys.modules["__main__"] = w.module
     from .debug import server as debug_server
@@ -477,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                           log_fd=int(log_fd) if log_fd else None)
     logging.getLogger().handlers[0].setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
+    from . import display
+
+    display.install()
     code = w.serve()
     w.shutdown()
     os._exit(code)

@@ -3,26 +3,43 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 
-from monarch_kernel.testing import worker_pids
+from monarch_kernel.testing import wait_for, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(600)
+def _tagged_workers(tag: str) -> list[int]:
+    """Worker processes whose environment carries ``tag`` (inherited from this run)."""
+    out = []
+    for pid in worker_pids():
+        try:
+            if psutil.Process(pid).environ().get("MONARCH_TEST_TAG") == tag:
+                out.append(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
 def test_debugging_notebook_runs_with_scripted_stdin(tmp_path):
+    tag = uuid.uuid4().hex
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "run_notebook.py"),
          str(ROOT / "notebooks" / "04_debugging.ipynb"),
          "--stdin-file", str(ROOT / "notebooks" / "04_debugging.stdin"),
          "--out", str(tmp_path), "--timeout", "300"],
         capture_output=True, text=True, timeout=580,
+        env={**os.environ, "MONARCH_TEST_TAG": tag},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "OK: every cell ran" in proc.stdout
@@ -36,4 +53,5 @@ def test_debugging_notebook_runs_with_scripted_stdin(tmp_path):
     assert "rank 1: debugging ended with quit" in text
     assert "key = 'z'" in text
     assert "[0] 7" in text
-    assert not worker_pids(), "workers left after the notebook"
+    # other tests may run meshes meanwhile: look only for this run's workers
+    wait_for(lambda: not _tagged_workers(tag), 10, what="the notebook's workers gone")

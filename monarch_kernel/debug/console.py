@@ -224,6 +224,15 @@ class DebugConsole:
         if self.on_event_fn is not None:
             self.on_event_fn(ev)
 
+    def _drain(self) -> None:
+        """Show every event of the request that already arrived (before a prompt)."""
+        if self.req is None:
+            return
+        while not self.req.events.empty():
+            self._pump(0)
+        if self.flush_fn is not None:
+            self.flush_fn()
+
     def _gather(self) -> None:
         """Wait briefly until the cell's other ranks paused or finished too."""
         if self.req is None:
@@ -237,6 +246,7 @@ class DebugConsole:
             now = time.monotonic()
             if (not outstanding or self.req.done() or now - last > GATHER_QUIET
                     or now - start > GATHER_MAX):
+                self._drain()
                 return
             self._pump(0.05)
             if self.registry.version != version:
@@ -390,6 +400,7 @@ class DebugConsole:
             self._warn(f"interrupted: {_ranks_text(paused)} released from the debugger")
 
     def _ask(self, prompt: str) -> str | None:
+        self._drain()
         try:
             return self.input_fn(prompt)
         except EOFError:

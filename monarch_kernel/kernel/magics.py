@@ -322,7 +322,8 @@ class MeshMagics(Magics):
 
     def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
-        printer = RankPrinter(self._write)
+        self._progress_cell = getattr(self, "_progress_cell", 0) + 1
+        printer = RankPrinter(self._write, on_progress=self._progress)
         from .debug_bridge import cell_console
 
         self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
@@ -392,11 +393,33 @@ class MeshMagics(Magics):
         elif kind == "display":
             _, rank, content = ev
             printer.flush_lines()
-            md = dict(content.get("metadata") or {})
-            md["monarch_rank"] = rank
-            self.shell.display_pub.publish(data=content["data"], metadata=md)
+            self.publish_display(rank, content)
         elif kind == "debug" and getattr(self, "_debug_console", None) is not None:
             self._debug_console.on_event(ev)  # prompts (Pdb rank R) / (mesh-debug)
+
+    def publish_display(self, rank: int, content: dict[str, Any]) -> None:
+        """Show a rank's ``display``/``clear_output`` in the notebook, tagged with
+        the rank (metadata ``monarch_rank``; display ids are made per rank)."""
+        pub = self.shell.display_pub
+        if content.get("clear"):
+            pub.clear_output(wait=content.get("wait", False))
+            return
+        md = dict(content.get("metadata") or {})
+        md["monarch_rank"] = rank
+        transient = dict(content.get("transient") or {})
+        if "display_id" in transient:
+            transient["display_id"] = f"monarch-r{rank}-{transient['display_id']}"
+        pub.publish(data=content["data"], metadata=md, transient=transient or None,
+                    update=bool(content.get("update")))
+
+    def _progress(self, rank: int, name: str, text: str, first: bool) -> None:
+        """A rank's ``\\r`` progress line: one display per rank, updated in place."""
+        pub = self.shell.display_pub
+        pub.publish(data={"text/plain": f"[{rank}] {text}"},
+                    metadata={"monarch_rank": rank, "monarch_stream": name},
+                    transient={"display_id": f"monarch-progress-{id(self)}-{rank}-{name}-"
+                                             f"{self._progress_cell}"},
+                    update=not first)
 
     @staticmethod
     def _write(name: str, text: str) -> None:
