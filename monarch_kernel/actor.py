@@ -223,6 +223,7 @@ class ActorMesh(Generic[A]):
 
     @property
     def ranks(self) -> list[int]:
+        """Global ranks of the actors, row-major."""
         return list(self.shape.ranks)
 
     def __len__(self) -> int:
@@ -554,6 +555,10 @@ class _Output:
                 self.printer.feed(ev[1], ev[2], ev[3])
             elif ev[0] == "display":
                 _display(ev[1], ev[2])
+            elif ev[0] == "debug":  # the endpoint paused in pdb: the kernel's console serves it
+                bridge = sys.modules.get("monarch_kernel.kernel.debug_bridge")
+                if bridge is not None:
+                    bridge.call_debug_event(self.req, ev, self.printer)
         if final:
             self.printer.close()
         else:

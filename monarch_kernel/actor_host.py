@@ -351,7 +351,9 @@ class PeerHost:
     Attributes
     ----------
     address : str
-        ``tcp://host:port`` of the peer ROUTER.
+        ``tcp://host:port`` of the peer ROUTER; on an encrypted mesh (the
+        worker's controller connection uses CurveZMQ) followed by ``|`` and
+        the socket's CurveZMQ public key (Z85), which callers connect with.
     stopped : dict of str to str
         Names of actors stopped here, with the cause.
     dead : dict of str to MeshFailure
@@ -364,7 +366,13 @@ class PeerHost:
         self.rank = worker.rank
         self.codec = worker.codec.fork(f"r{worker.rank}")
         self.ctx = worker.ctx
-        self.router, self.address = bind_router(self.ctx, _bind_host(worker.address))
+        secret = None
+        public = b""
+        if getattr(worker, "curve_server_key", None) is not None:  # an encrypted mesh
+            public, secret = zmq.curve_keypair()
+        self.router, address = bind_router(self.ctx, _bind_host(worker.address), secret)
+        # callers need the public key to connect: it travels with the address
+        self.address = address + ("|" + public.decode() if public else "")
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.pending: dict[str, Request] = {}
@@ -458,7 +466,9 @@ class PeerHost:
                 addr = frames[1].bytes.decode()
                 s = dealers.get(addr)
                 if s is None:
-                    s = dealers[addr] = connect_dealer(self.ctx, addr, self._ident)
+                    endpoint, _, key = addr.partition("|")
+                    s = dealers[addr] = connect_dealer(self.ctx, endpoint, self._ident,
+                                                       key.encode() or None)
                     socks.add(s)
                     poller.register(s, zmq.POLLIN)
                 s.send_multipart(frames[2:], zmq.NOBLOCK, copy=False)

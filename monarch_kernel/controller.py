@@ -2,7 +2,9 @@
 
 A :class:`Controller` lives in the kernel process (or in the script that
 drives a mesh). It binds one ZeroMQ ROUTER socket; every worker connects a
-DEALER whose routing identity is ``r<rank>``. Requests carry a message id;
+DEALER whose routing identity is ``r<rank>.<random>``; the controller routes
+to the identity that carried the rank's signed ``hello`` and drops messages
+from any other connection. Requests carry a message id;
 replies, output and rich display carry that id as their parent and are
 routed to the :class:`Request` that is waiting for them.
 
@@ -54,6 +56,9 @@ class RankInfo:
     messages_in: int = 0
     messages_out: int = 0
     telemetry: dict[str, Any] = field(default_factory=dict)
+    #: routing identity of the rank's connection, learnt from its signed hello
+    #: (random per worker process, so no other connection can claim the rank's traffic)
+    identity: bytes = b""
 
     def describe_exit(self) -> str:
         if self.exitcode is None:
@@ -210,7 +215,9 @@ class Controller:
     # -------------------------------------------------------------- sending
     def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
         for r in ranks:
-            self.outbox.send([f"r{r}".encode(), *frames])
+            info = self.ranks.get(r)
+            if info is not None and info.identity:  # else not connected yet: nowhere to send
+                self.outbox.send([info.identity, *frames])
 
     def request(self, ranks: Iterable[int], type: str, content: Any = None) -> Request:
         """Send one request to ``ranks`` and return the :class:`Request` to wait on.
@@ -371,7 +378,10 @@ class Controller:
                             frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._receive(frames)
+                        try:
+                            self._receive(frames)
+                        except Exception:  # noqa: BLE001 - one bad message must not stop I/O
+                            log.exception("the controller dropped a message it could not handle")
                 now = time.monotonic()
                 if now - last_check >= 0.05:
                     last_check = now
@@ -380,9 +390,9 @@ class Controller:
                     last_beat = now
                     beat = self.codec.encode("heartbeat")
                     for r, info in list(self.ranks.items()):
-                        if info.state not in ("dead", "stopped", "starting"):
+                        if info.state not in ("dead", "stopped", "starting") and info.identity:
                             try:
-                                self.router.send_multipart([f"r{r}".encode(), *beat])
+                                self.router.send_multipart([info.identity, *beat])
                             except zmq.ZMQError:
                                 pass
         except Exception:  # noqa: BLE001
@@ -416,14 +426,17 @@ class Controller:
             log.warning("the controller dropped a message: %s", e)
             return
         ident = msg.identity[0] if msg.identity else b""
-        if ident.decode(errors="replace") != msg.sender or not msg.sender.startswith("r"):
-            log.warning("the controller dropped a message whose sender %r does not match "
-                        "its connection %r", msg.sender, ident)
-            return
-        rank = int(msg.sender[1:])
-        info = self.ranks.get(rank)
+        s = msg.sender
+        info = self.ranks.get(int(s[1:])) if s[:1] == "r" and s[1:].isdigit() else None
         if info is None:
-            log.warning("the controller dropped a message from unknown rank %d", rank)
+            log.warning("the controller dropped a message from unknown sender %r", s)
+            return
+        rank = info.rank
+        if msg.type == "hello":  # signed by a worker of this mesh: its connection is the rank's
+            info.identity = ident
+        elif ident != info.identity:
+            log.warning("the controller dropped a message whose sender %r does not match "
+                        "its connection %r", s, ident)
             return
         info.last_heard = time.monotonic()
         info.messages_in += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-__all__ = ["address_towards", "primary_address", "resolve_bind", "is_wildcard"]
+__all__ = ["address_towards", "is_wildcard", "primary_address", "resolve_bind"]
 
 #: a TEST-NET-1 address (RFC 5737): "routed" to find the default route's source
 _PROBE = "192.0.2.1"

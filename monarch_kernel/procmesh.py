@@ -234,7 +234,13 @@ class ProcMesh:
         """A live ipywidgets dashboard of this mesh's ranks (CPU, memory, GPU).
 
         See :class:`monarch_kernel.ui.dashboard.Dashboard` for the parameters.
+
+        Raises
+        ------
+        MeshFailure
+            If the mesh was stopped.
         """
+        self._check()
         from .ui.dashboard import Dashboard
 
         return Dashboard(self, interval=interval, history=history, layout=layout)
@@ -451,8 +457,8 @@ def _rank0_endpoint(root: ProcMesh, controller_host: str, timeout: float) -> tup
         "(lambda socket: (lambda u, s: (u.connect((%r, 9)), s.bind((u.getsockname()[0], 0)),"
         " (u.getsockname()[0], s.getsockname()[1]), u.close(), s.close())[2])"
         "(socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket()))"
-        "(__import__('socket'))" % controller_host
-    )
+        "(__import__('socket'))"
+    ).replace("%r", repr(controller_host))
     req = root.controller.request([0], "execute", {"code": code, "filename": "<monarch-dist>"})
     if not req.wait(timeout):
         raise TimeoutError(f"rank 0 did not say its address within {timeout} s")

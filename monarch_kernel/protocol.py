@@ -104,8 +104,32 @@ class Message:
     id: str
     parent: str | None
     sender: str
-    content: Any
+    _payload: Any = field(repr=False)
     identity: list[bytes] = field(default_factory=list)
+    _buffers: list[Any] = field(default_factory=list, repr=False)
+    _decoded: bool = field(default=False, repr=False)
+    _content: Any = field(default=None, repr=False)
+
+    @property
+    def content(self) -> Any:
+        """The payload, unpickled on first use (in the thread that uses it, so an
+        I/O thread that only routes a message never pays for, e.g., importing
+        torch to rebuild a tensor).
+
+        Raises
+        ------
+        ProtocolError
+            If the (signed) payload does not unpickle here.
+        """
+        if not self._decoded:
+            try:
+                self._content = serialize.loads(self._payload, self._buffers)
+            except Exception as e:
+                raise ProtocolError(
+                    f"undecodable payload in {self.type!r} message: {e}") from e
+            self._decoded = True
+            self._payload = self._buffers = None
+        return self._content
 
 
 class Codec:
@@ -196,7 +220,7 @@ class Codec:
         sig = self._sign([header, payload, *buffers])
         return [MAGIC, sig, header, payload, *buffers]
 
-    def decode(self, frames: list[Any], router: bool = False) -> Message:
+    def decode(self, frames: list[Any], router: bool = False, lazy: bool = False) -> Message:
         """Verify and decode frames received from a socket.
 
         Parameters
@@ -205,6 +229,8 @@ class Codec:
         router : bool
             True when the frames came from a ROUTER socket and start with
             identity frames.
+        lazy : bool
+            Leave the payload pickled until ``Message.content`` is first read.
 
         Raises
         ------
@@ -244,9 +270,11 @@ class Codec:
             mtype, mid, parent, sender, nb = (
                 header["t"], header["id"], header["p"], header["s"], header["nb"]
             )
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ProtocolError(f"malformed message header: {e}") from None
-        if mtype not in TYPES or not isinstance(mid, str) or nb != len(buffers):
+        if (not isinstance(mtype, str) or mtype not in TYPES or not isinstance(mid, str)
+                or not isinstance(sender, str) or not isinstance(parent, (str, type(None)))
+                or type(nb) is not int or nb != len(buffers)):  # noqa: E721 - bool is no count
             raise ProtocolError(f"malformed message header: {header!r:.200}")
         with self._lock:
             if mid in self._seen:
@@ -255,11 +283,10 @@ class Codec:
             self._seen_order.append(mid)
             if len(self._seen_order) > REPLAY_WINDOW:
                 self._seen.discard(self._seen_order.popleft())
-        try:
-            content = serialize.loads(payload, buffers)
-        except Exception as e:
-            raise ProtocolError(f"undecodable payload in {mtype!r} message: {e}") from e
-        return Message(mtype, mid, parent, sender, content, identity)
+        msg = Message(mtype, mid, parent, sender, payload, identity, buffers)
+        if not lazy:
+            msg.content  # noqa: B018 - decode now, raising ProtocolError here
+        return msg
 
 
 def _view(frame: Any) -> memoryview:

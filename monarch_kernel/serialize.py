@@ -98,7 +98,15 @@ class _Pickler(cloudpickle.Pickler):
             # (of notebook cells, of __main__ scripts: the actor module ships them)
             _, args = self.dispatch_table[types.CodeType](obj)
             return (_rebuild_code, (args, obj.co_filename))
+        if isinstance(obj, _FILES) and obj not in (sys.stdout, sys.stderr, sys.stdin):
+            # cloudpickle would read a text file to its end (forever for /dev/zero or a
+            # pipe) and send a StringIO copy: refuse, and say what to send instead
+            raise TypeError(f"cannot send an open file ({getattr(obj, 'name', '?')!r}); "
+                            "send its contents or its path")
         return super().reducer_override(obj)
+
+
+_FILES = (io.TextIOWrapper, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO)
 
 
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:

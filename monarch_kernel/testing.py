@@ -119,6 +119,10 @@ class KernelSession:
                 on_message: Callable[[dict[str, Any]], None] | None = None) -> ExecResult:
         """Run ``code``; collect its iopub messages until the kernel is idle.
 
+        ``on_input(prompt)`` answers the kernel's input requests (``input()``,
+        the debugger's prompts); returning None leaves the prompt unanswered
+        (e.g. to interrupt the kernel instead).
+
         Raises
         ------
         TimeoutError

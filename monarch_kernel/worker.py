@@ -29,6 +29,7 @@ import linecache
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
@@ -94,9 +95,12 @@ class Worker:
         self.controller_pid = controller_pid
         self.heartbeat = heartbeat
         self.heartbeat_timeout = heartbeat_timeout
+        self.curve_server_key = curve_server_key  # set: encrypted mesh (actor peers too)
         self.codec = protocol.Codec(key, f"r{rank}")
         self.ctx = zmq.Context()
-        self.dealer = connect_dealer(self.ctx, address, f"r{rank}".encode(), curve_server_key)
+        # a random routing identity: the controller learns it from the signed hello
+        self.dealer = connect_dealer(self.ctx, address,
+                                     f"r{rank}.{secrets.token_hex(8)}".encode(), curve_server_key)
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
@@ -166,12 +170,16 @@ class Worker:
                         except zmq.Again:
                             break
                         try:
-                            msg = self.codec.decode(frames)
+                            msg = self.codec.decode(frames, lazy=True)
                         except ProtocolError as e:
                             log.warning("rank %d dropped a message: %s", self.rank, e)
                             continue
                         last_heard = time.monotonic()
-                        self._dispatch(msg)
+                        try:
+                            self._dispatch(msg)
+                        except Exception:  # noqa: BLE001 - a bad message must not kill I/O
+                            log.exception("rank %d dropped a message it could not dispatch "
+                                          "(%s)", self.rank, msg.type)
                 now = time.monotonic()
                 if now - last_sent >= self.heartbeat:
                     last_sent = now
@@ -261,10 +269,16 @@ class Worker:
         finally:
             self.busy = False
             telemetry.set_activity(None)
-        self.reply(msg.id, status, value)
+        names = msg.content.get("names") if msg.type == "pull" and status == "ok" else None
+        self.reply(msg.id, status, value, names)
 
-    def reply(self, parent: str, status: str, value: Any) -> None:
-        """Send a reply after every output written so far (thread-safe)."""
+    def reply(self, parent: str, status: str, value: Any, names: list[str] | None = None
+              ) -> None:
+        """Send a reply after every output written so far (thread-safe).
+
+        ``names``: for a pull, the names of the values in ``value`` (a list),
+        to name the one that cannot be pickled.
+        """
         if self.capture is not None:
             self.capture.drain()
         if self.current_parent == parent:
@@ -274,9 +288,10 @@ class Worker:
         except SerializationError as e:
             if status == "ok":
                 failure = self.describe_failure(e, with_traceback=False)
+                # no "rank N:" here: the controller names the ranks (and groups alike ones)
                 failure["message"] = (
-                    f"rank {self.rank}: the result is a {_type_name(value)}, which cannot be "
-                    f"sent to the controller ({e.__cause__ or e}); return something picklable"
+                    f"{_unsendable(value, names)}, which cannot be sent to the controller "
+                    f"({e.__cause__ or e}); {'pull' if names else 'return'} something picklable"
                 )
             else:
                 failure = dict(value, exc=None)
@@ -414,6 +429,22 @@ def _type_name(obj: Any) -> str:
     t = obj if isinstance(obj, type) else type(obj)
     mod = t.__module__
     return t.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{t.__qualname__}"
+
+
+def _unsendable(value: Any, names: list[str] | None = None) -> str:
+    """Which part of ``value`` cannot be pickled, in words ("the result is a generator")."""
+    if isinstance(value, (list, tuple)):
+        from . import serialize
+
+        for i, item in enumerate(value):
+            try:
+                serialize.dumps(item)
+            except SerializationError:
+                if names is not None and i < len(names):
+                    return f"{names[i]!r} is a {_type_name(item)}"
+                return (f"the result is a {_type_name(value)} whose item {i} is a "
+                        f"{_type_name(item)}")
+    return f"the result is a {_type_name(value)}"
 
 
 def _sigint(signum: int, frame: Any) -> None:

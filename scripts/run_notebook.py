@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
 
     nb_path = a.notebook.resolve()
     nb = nbformat.read(nb_path, as_version=4)
-    options: dict[str, Any] = dict(
-        kernel_name=a.kernel,
-        timeout=a.timeout,
-        on_cell_start=_on_cell_start,
-        resources={"metadata": {"path": str(nb_path.parent)}},
-    )
+    options: dict[str, Any] = {
+        "kernel_name": a.kernel,
+        "timeout": a.timeout,
+        "on_cell_start": _on_cell_start,
+        "resources": {"metadata": {"path": str(nb_path.parent)}},
+    }
     if a.stdin_file is not None:
         client: PrintingClient = ScriptedStdinClient(nb, _read_stdin_file(a.stdin_file),
                                                      **options)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A throw-away one-node Slurm cluster on this host, for tests and CI.
 #
-#   eval "$(scripts/slurm_ci.sh start)"   # installs if needed, starts, prints `export SLURM_CONF=...`
-#   scripts/slurm_ci.sh stop [DIR]        # DIR: the state directory (default: dirname of $SLURM_CONF)
+#   eval "$(scripts/slurm_ci.sh start)"  # install if needed, start, print `export SLURM_CONF=...`
+#   scripts/slurm_ci.sh stop [DIR]       # DIR: the state directory (default: from $SLURM_CONF)
 #
 # `start` installs Debian's slurmctld, slurmd, slurm-client and munge with
 # apt-get when they are missing (apt-get update first), writes a one-node
@@ -33,7 +33,8 @@ install_packages() {
     say "installing slurmctld slurmd slurm-client munge with apt-get"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >&2 || die "apt-get update failed" 3
-    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >&2 \
+    apt-get install -y -q --no-install-recommends \
+        slurmctld slurmd slurm-client munge >&2 \
         || die "apt-get install of the Slurm packages failed" 3
 }
 

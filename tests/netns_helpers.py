@@ -25,7 +25,7 @@ import uuid
 
 from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement, worker_command
 
-__all__ = ["netns_unavailable", "NetnsPair", "NetnsLauncher"]
+__all__ = ["NetnsLauncher", "NetnsPair", "netns_unavailable"]
 
 _live: set[str] = set()
 

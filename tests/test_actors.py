@@ -147,6 +147,16 @@ class Relay(Actor):
         return "not raised"
 
     @endpoint
+    def spray(self, target: ActorMesh, n: int) -> None:
+        futures = [target.record.call_one(i) for i in range(n)]  # all sent before any reply
+        for f in futures:
+            f.get(timeout=60)
+
+    @endpoint
+    def fire(self, target: ActorMesh) -> None:
+        target.fail.broadcast("value")
+
+    @endpoint
     def peer_stats(self) -> dict:
         from monarch_kernel.actor_host import stats
 
@@ -400,6 +410,12 @@ def test_nested_calls_go_worker_to_worker(procs, counters):
         assert relay.relay_async.call_one(counters).get(timeout=30) == [0, 1, 2, 3]
         assert relay.catch.call_one(counters.slice(procs=2)).get(timeout=30) == (
             "caught KeyError from rank [2]")
+        # ordering holds worker to worker too
+        relay.spray.call_one(counters.slice(procs=1), 1000).get(timeout=60)
+        assert counters.slice(procs=1).history.call_one().get(timeout=30) == list(range(1000))
+        # a broadcast from a worker that fails is reported to the controller
+        relay.fire.call_one(counters).get(timeout=30)
+        wait_for(lambda: len(counters.broadcast_failures) == 4, 30, what="4 failures")
     finally:
         relay.stop()
 
@@ -430,4 +446,16 @@ def test_dead_rank_raises_mesh_failure():
         assert isinstance(ei.value, ActorError) and ei.value.ranks == [0]  # raised by relay
     with pytest.raises(MeshFailure):
         c.slice(procs=0).incr.call_one().get(timeout=30)
+    wait_for(lambda: not mine & set(worker_pids()), 10, what="the mesh's workers gone")
+
+
+def test_encrypted_mesh_encrypts_peer_sockets_too():
+    from monarch_kernel.procmesh import spawn_procs
+
+    with spawn_procs(2, encrypt=True) as pm:
+        mine = {p.pid for p in pm.launcher.placements().values()}
+        c = pm.slice(procs=1).spawn("target", Counter)
+        relay = pm.slice(procs=0).spawn("relay", Relay)
+        assert "|" in c._peers[1]  # the CurveZMQ public key travels with the address
+        assert relay.relay.call_one(c, 3).get(timeout=30) == [1, 2, 3]
     wait_for(lambda: not mine & set(worker_pids()), 10, what="the mesh's workers gone")

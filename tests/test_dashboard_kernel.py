@@ -120,7 +120,13 @@ def _dashboard_threads(w: WidgetMirror, expect: int | None = None) -> list[str]:
 
 def test_dashboard_live_through_the_kernel(kernel: KernelSession):
     w = WidgetMirror(kernel)
+    for code, says in (("%mesh dashboard", "no mesh is running"),
+                       ("%mesh spawn 4 --telemetry-interval -1", "telemetry-interval")):
+        reply = w.execute(code)
+        assert reply["content"]["status"] == "error" and says in reply["content"]["evalue"]
     _ok(w.execute("%mesh spawn 4"))
+    reply = w.execute("%mesh dashboard --interval 0")
+    assert reply["content"]["status"] == "error" and "positive" in reply["content"]["evalue"]
     _ok(w.execute("dash = %mesh dashboard\ndash"))
     (dash_id,) = w.dashboards()
     w.pump(2.5)  # a couple of idle refreshes: every rank reports

@@ -7,7 +7,10 @@ from a script, as a user at the notebook would.
 
 from __future__ import annotations
 
+import ast
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -62,7 +65,7 @@ def test_breakpoint_on_one_rank_step_print_continue(k4):
     assert "-> x = x + 1" in out  # pdb's location line
     # `l` shows the cell's own source lines (linecache entry of the cell)
     assert "  1  \tx = rank * 10" in out and "->\tx = x + 1" in out
-    assert re.search(r"^11$", out, re.M)  # `p x` after `n`
+    assert re.search(r"^11$", out, re.MULTILINE)  # `p x` after `n`
     for rank in range(4):
         assert f"[{rank}] done {rank * 10 + 1}" in out
     assert "31" in r.result_text() and "11" in r.result_text()
@@ -84,13 +87,13 @@ def test_several_ranks_console_list_cast_continue(k4):
     assert r.status == "ok", r.error_text()
     assert not plan, asked
     out = r.stream()
-    rows = re.findall(r"^([0-3])\s+\S+\s+<module>\s+<mesh-cell-\d+>:3$", out, re.M)
+    rows = re.findall(r"^([0-3])\s+\S+\s+<module>\s+<mesh-cell-\d+>:3$", out, re.MULTILINE)
     assert sorted(rows) == ["0", "1", "2", "3"], out
     assert "[0] 0\n[1] 1\n" in out
     assert "[2] 200\n[3] 300\n" in out
     assert "rank 7 does not exist" in out
     assert "(Pdb rank 3) " in asked
-    assert re.search(r"^4$", out, re.M)  # rank 3's y after `n`
+    assert re.search(r"^4$", out, re.MULTILINE)  # rank 3's y after `n`
     assert "[0:4] finished" in out or all(f"[{r}] finished {r + 1}" in out for r in range(4))
     assert "paused" not in _states(k4)
 
@@ -103,7 +106,7 @@ def test_quit_ends_the_rank_cleanly(k4):
     assert r.status == "ok", r.error_text()
     err = r.stream("stderr")
     assert "rank 2: debugging ended with quit" in err and "BdbQuit" in err
-    assert re.search(r"^5$", r.stream("stdout"), re.M)
+    assert re.search(r"^5$", r.stream("stdout"), re.MULTILINE)
     text = r.result_text()
     assert "None" in text and "3" in text  # rank 2 stopped; the others returned
     # nothing is left paused, and every rank runs the next cell
@@ -125,7 +128,7 @@ def test_post_mortem_shows_the_failing_frame(k4):
     assert "rank 3 paused at <mesh-cell-" in out and "in lookup" in out
     assert "post-mortem of KeyError" in out
     assert "table = {'a': 1}" in out and "key = 'missing'" in out
-    assert re.search(r"^7$", out, re.M)
+    assert re.search(r"^7$", out, re.MULTILINE)
     assert "-> return table[key]" in out
     assert "worker.py" not in out  # `w` shows the user's frames only
 
@@ -146,14 +149,14 @@ def test_no_stdin_skips_the_breakpoint_with_a_warning(k4):
     assert "rank 1: breakpoint at <mesh-cell-" in err and "skipped" in err
     assert err.count("rank 1: breakpoint at") == 1  # one warning per rank, not per breakpoint
     assert "5" in r.result_text()  # rank 3 + 2
-    r = k4.execute("%mesh debug", timeout=60)
-    assert r.status == "error" and "allow_stdin" in r.error_text()
+    r = k4.execute("%mesh debug --post-mortem 1", timeout=60)
+    assert r.status == "ok" and "%mesh debug skipped" in r.stream("stderr")
 
 
 def test_interrupt_while_paused_releases_the_ranks(k4):
     def answer(prompt: str) -> None:
         k4.interrupt()
-        return None  # leave the prompt unanswered, as a user pressing stop
+        # leave the prompt unanswered, as a user pressing stop
 
     t0 = time.monotonic()
     r = k4.execute("%%mesh\nimport time\nif rank == 0:\n    breakpoint()\ntime.sleep(0.2)\n'end'",
@@ -179,7 +182,7 @@ def test_background_pause_and_mesh_debug(k4):
     assert r.status == "ok", r.error_text()
     s.check()
     out = r.stream()
-    assert re.search(r"^2\s+\S+\s+bg \[bgwork\]\s+<mesh-cell-\d+>:5$", out, re.M), out
+    assert re.search(r"^2\s+\S+\s+bg \[bgwork\]\s+<mesh-cell-\d+>:5$", out, re.MULTILINE), out
     assert "[2] 42" in out
     assert "still paused" in out
     assert "paused" in _states(k4)  # it stayed paused after detach
@@ -187,7 +190,7 @@ def test_background_pause_and_mesh_debug(k4):
     r = k4.execute("%mesh debug", on_input=s, timeout=120)
     assert r.status == "ok", r.error_text()
     s.check()
-    assert re.search(r"^43$", r.stream(), re.M)
+    assert re.search(r"^43$", r.stream(), re.MULTILINE)
     assert "no rank is paused any more" in r.stream()
 
 
@@ -203,7 +206,7 @@ def test_pdb_set_trace_and_breakpoints_in_functions(k4):
     out = r.stream()
     assert "--Call--" in out and "twice()" in out
     assert "-> b = a * 2" in out
-    assert re.search(r"^5$", out, re.M)
+    assert re.search(r"^5$", out, re.MULTILINE)
     assert "10" in r.result_text()
 
 
@@ -213,3 +216,48 @@ def test_controller_breakpoint_keeps_ipykernel_behaviour(k4):
     assert "monarch_kernel" not in r.stream()
     r = k4.execute("z = 1\nbreakpoint()\nz + 1", timeout=60)
     assert r.status == "ok" and "2" in r.result_text()
+
+
+def test_breakpoint_in_an_actor_endpoint(k4):
+    code = (
+        "from monarch_kernel import Actor, endpoint, current_rank\n"
+        "class Acc(Actor):\n"
+        "    def __init__(self):\n"
+        "        self.n = 100\n"
+        "    @endpoint\n"
+        "    def add(self, k):\n"
+        "        if current_rank().rank == 1:\n"
+        "            breakpoint()\n"
+        "        self.n += k\n"
+        "        return self.n\n"
+        "accs = mesh.spawn('acc', Acc)\n"
+        "accs.add.call(5).get()\n"
+    )
+    s = Script(["p k", "l", "n", "p self.n", "c"])
+    r = k4.execute(code, on_input=s, timeout=120)
+    assert r.status == "ok", r.error_text()
+    s.check()
+    assert s.prompts == ["(Pdb rank 1) "] * 5
+    out = r.stream()
+    assert "rank 1 paused at" in out and "in add (thread monarch-actor-acc)" in out
+    assert re.search(r"^5$", out, re.MULTILINE)
+    assert "->\t        self.n += k" in out  # `l` shows the notebook's source of the endpoint
+    assert re.search(r"^105$", out, re.MULTILINE)
+    assert "105" in r.result_text()
+
+
+def test_rank_killed_while_paused_never_hangs(k4):
+    r = k4.execute("print([row['pid'] for row in mesh.status()])")
+    pids = ast.literal_eval(r.stream())
+
+    def answer(prompt: str) -> str:
+        os.kill(pids[2], signal.SIGKILL)
+        time.sleep(0.5)
+        return "n"
+
+    r = k4.execute("%%mesh\nimport time\nif rank == 2:\n    breakpoint()\ntime.sleep(0.1)",
+                   on_input=answer, timeout=120)
+    assert r.status == "error"
+    assert "rank 2" in r.error_text() and "SIGKILL" in r.error_text()
+    r = k4.execute("%mesh spawn 4")  # a fresh mesh for whatever runs next
+    assert r.status == "ok", r.error_text()

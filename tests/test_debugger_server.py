@@ -62,7 +62,7 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 def _code_with_breakpoint() -> int:
     x = 1
-    breakpoint()
+    breakpoint()  # noqa: T100
     y = x + 1
     return y
 
@@ -101,7 +101,7 @@ def test_release_lets_the_code_run_on_past_breakpoints(fake):
     def code() -> int:
         total = 0
         for i in range(3):
-            breakpoint()
+            breakpoint()  # noqa: T100
             total += i
         return total
 
@@ -168,7 +168,8 @@ def test_cut_debugger_frames_keeps_the_user_frames():
 
     def inner() -> None:
         # an exception that passes through a frame of the bdb module
-        exec(compile("raise KeyboardInterrupt", "<x>", "exec"), {"__name__": "bdb"})
+        code = compile("raise KeyboardInterrupt", "<x>", "exec")
+        exec(code, {"__name__": "bdb"})  # noqa: S102
 
     with pytest.raises(KeyboardInterrupt) as info:
         user()

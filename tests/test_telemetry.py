@@ -235,3 +235,7 @@ def test_telemetry_off():
         assert m.controller.ranks[0].telemetry == {}
         threads = m.exec("import threading; sorted(t.name for t in threading.enumerate())")
         assert "monarch-telemetry" not in threads.values()[0]
+    from monarch_kernel.errors import MeshFailure
+
+    with pytest.raises(MeshFailure, match="stopped"):
+        m.dashboard()

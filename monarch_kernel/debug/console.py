@@ -43,7 +43,7 @@ from ..errors import RankSpecError
 from ..mesh import parse_ranks
 from .registry import DebugRegistry, DebugSession
 
-__all__ = ["DebugConsole", "parse_debug_ranks", "report_quits", "HELP"]
+__all__ = ["HELP", "DebugConsole", "parse_debug_ranks", "report_quits"]
 
 HELP = """\
 (mesh-debug) commands:
@@ -177,6 +177,8 @@ class DebugConsole:
         self.patience = patience
         self.interrupted = False
         self.console_mode = False
+        #: seconds spent serving paused ranks (a cell's --timeout does not count them)
+        self.paused_s = 0.0
         self._announced: dict[str, int] = {}
         self._skipped: set[int] = set()
         self._quit_ranks: set[int] = set()
@@ -275,9 +277,10 @@ class DebugConsole:
             if running and len(running) == len(waiting):
                 others = [p for p in self._paused() if p.sid not in seq0]
                 if others and all(now - s.since > self.patience for s in running):
-                    names = ", ".join(str(s.rank) for s in running)
-                    self._warn(f"rank {names} still running (it may wait for the paused ranks "
-                               f"{sorted({p.rank for p in others})}, e.g. in a collective)")
+                    ranks = sorted({s.rank for s in running})
+                    self._warn(f"{_plural(ranks)} still running (it may wait for the paused "
+                               f"{_plural(sorted({p.rank for p in others}))}, e.g. in a "
+                               "collective); back to the prompt")
                     return current
             self._pump(0.05)
 
@@ -294,6 +297,7 @@ class DebugConsole:
         """Serve the cell's paused ranks until none is paused (cell mode)."""
         if not self._paused():
             return
+        t0 = time.monotonic()
         try:
             self._gather()
             while True:
@@ -321,6 +325,7 @@ class DebugConsole:
             self._interrupt()
             raise
         finally:
+            self.paused_s += time.monotonic() - t0
             self.console_mode = False
             self._maybe_hint()
 
@@ -413,6 +418,11 @@ class DebugConsole:
             cur = self.registry.get(s.sid)
             if cur is None or cur.state != "paused":
                 return
+            others = [p for p in self._paused()
+                      if p.sid != cur.sid and self._announced.get(p.sid) != p.seq]
+            if others:
+                self._announce(others)
+                self._write(f"(detach to see every paused rank; rank {cur.rank} is attached)")
             line = self._ask(cur.prompt or f"(Pdb rank {cur.rank}) ")
             if line is None or line.strip() == "detach":
                 self.console_mode = True

@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DebugSession", "DebugRegistry", "registry_for"]
+__all__ = ["DebugRegistry", "DebugSession", "registry_for"]
 
 #: ended sessions kept (their last output may still be read)
 KEEP_ENDED = 256

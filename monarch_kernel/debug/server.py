@@ -38,7 +38,7 @@ import bdb
 import contextlib
 import itertools
 import os
-import pdb
+import pdb  # noqa: T100 - this module *is* the remote pdb
 import queue
 import sys
 import threading
@@ -47,16 +47,16 @@ from typing import Any
 
 __all__ = [
     "RemotePdb",
-    "install",
-    "uninstall",
-    "deliver",
     "breakpointhook",
-    "set_trace",
-    "post_mortem",
+    "cut_debugger_frames",
+    "deliver",
+    "install",
     "pm",
+    "post_mortem",
     "remember_exception",
     "set_request_parent",
-    "cut_debugger_frames",
+    "set_trace",
+    "uninstall",
 ]
 
 #: modules whose frames pdb never stops in (the worker's own machinery)
@@ -138,6 +138,9 @@ class RemotePdb(pdb.Pdb):
             return p
         if self.thread_id == self.worker.main_thread_id:
             return self.worker.current_parent
+        host = sys.modules.get("monarch_kernel.actor_host")
+        if host is not None and getattr(host.context, "actor", None) is not None:
+            return self.worker.current_parent  # an actor's thread: the call it serves
         return None
 
     def _send(self, kind: str, **content: Any) -> None:
@@ -150,7 +153,7 @@ class RemotePdb(pdb.Pdb):
                        parent=parent)
         try:
             self.worker.send("debug", content, parent)
-        except Exception:  # noqa: BLE001 - the controller is gone; the I/O thread exits
+        except Exception:  # noqa: BLE001, S110 - the controller is gone; the I/O thread exits
             pass
 
     def _where(self) -> dict[str, Any]:
@@ -263,9 +266,21 @@ class RemotePdb(pdb.Pdb):
         self.ended = False
         self._released = False
         self._was_released = False
+        # Python 3.13+ stops on the breakpoint() line itself; stop after it, as 3.10-3.12
+        # do, so one script of commands works with every Python
+        self._first_stop = (frame, frame.f_lineno) if sys.version_info >= (3, 13) else None
         with _lock:
             _sessions[self.sid] = self
         super().set_trace(frame)
+
+    def user_opcode(self, frame: types.FrameType) -> None:
+        """As in :class:`pdb.Pdb` (3.13+), but the first stop of ``set_trace`` waits
+        for the next line."""
+        first, self._first_stop = getattr(self, "_first_stop", None), None
+        if first is not None and frame is first[0] and frame.f_lineno == first[1]:
+            self.set_step()
+            return
+        super().user_opcode(frame)  # type: ignore[misc]
 
     def get_stack(self, f: Any, t: Any) -> tuple[list[Any], int]:
         """As in :class:`bdb.Bdb`, without the worker's own frames below the user's code."""
@@ -378,7 +393,7 @@ def breakpointhook(*args: Any, **kwargs: Any) -> None:
     if os.environ.get("PYTHONBREAKPOINT") == "0":
         return None
     if _worker is None:
-        return sys.__breakpointhook__(*args, **kwargs)
+        return sys.__breakpointhook__(*args, **kwargs)  # noqa: T100
     p = _session()
     header = kwargs.get("header")
     if header is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,8 @@ from ..debug.registry import registry_for
 from ..output import RankPrinter
 from ..procmesh import ProcMesh, raise_failures
 
-__all__ = ["cell_console", "debug_command", "stdin_bridge", "POST_MORTEM_CODE"]
+__all__ = ["POST_MORTEM_CODE", "call_debug_event", "cell_console", "debug_command",
+           "stdin_bridge"]
 
 #: what a rank runs for ``%mesh debug --post-mortem``
 POST_MORTEM_CODE = "__import__('monarch_kernel.debug.server', fromlist=['x']).post_mortem()"
@@ -59,14 +61,64 @@ def cell_console(magics: Any, m: ProcMesh, req: Request, printer: RankPrinter) -
     )
 
 
+_call_consoles: weakref.WeakKeyDictionary[Request, DebugConsole] = weakref.WeakKeyDictionary()
+
+
+def _mesh_of(req: Request) -> ProcMesh | None:
+    from .. import procmesh
+
+    for m in list(procmesh._live):
+        if req.id in m.controller.pending:
+            return m
+    return None
+
+
+def call_debug_event(req: Request, ev: tuple, printer: RankPrinter | None) -> None:
+    """A rank paused in pdb while the kernel waits for an actor call (``Future.get``).
+
+    Called by the future's output pump in the kernel's main thread; serves
+    the paused ranks of that call with the same prompts as in a ``%%mesh``
+    cell.
+    """
+    console = _call_consoles.get(req)
+    if console is None:
+        m = _mesh_of(req)
+        if m is None:
+            return
+        from ..actor import _display
+
+        def on_event(e: tuple) -> None:
+            if e[0] == "stream" and printer is not None:
+                printer.feed(e[1], e[2], e[3])
+            elif e[0] == "display":
+                _display(e[1], e[2])
+
+        input_fn, allow = stdin_bridge(_kernel())
+        console = _call_consoles[req] = DebugConsole(
+            registry_for(m.controller), m, input_fn, _out, allow_stdin=allow, req=req,
+            on_event=on_event, flush=printer.flush_lines if printer is not None else None,
+            warn=_err)
+    console.on_event(ev)
+
+
+def _kernel() -> Any:
+    try:
+        from ipykernel.kernelbase import Kernel
+
+        return Kernel.instance() if Kernel.initialized() else None
+    except Exception:  # noqa: BLE001 - not in a kernel
+        return None
+
+
 def debug_command(magics: Any, argv: list[str]) -> None:
     """``%mesh debug [--post-mortem RANK]``.
+
+    With a frontend that cannot answer prompts it only warns.
 
     Raises
     ------
     UsageError
-        For bad arguments, a frontend that cannot answer prompts, or a rank
-        with no exception to debug.
+        For bad arguments, or a rank with no exception to debug.
     """
     from .magics import _parser
 
@@ -79,10 +131,12 @@ def debug_command(magics: Any, argv: list[str]) -> None:
     m = magics.current_mesh()
     reg = registry_for(m.controller)
     input_fn, allow = stdin_bridge(magics.kernel)
-    if not allow:
-        raise UsageError("%mesh debug: this frontend cannot answer input requests "
-                         "(allow_stdin is false); run it from Jupyter, JupyterLab or "
-                         "jupyter console")
+    if not allow:  # as for breakpoints: a warning, never a prompt nobody can answer
+        paused = reg.sessions("paused", ranks=m.root.ranks)
+        where = "; ".join(f"rank {s.rank} at {s.where}" for s in paused) or "none"
+        _err("%mesh debug skipped: this frontend cannot answer input requests (allow_stdin "
+             f"is false); run it from Jupyter, JupyterLab or jupyter console. Paused: {where}\n")
+        return
     if a.post_mortem is None:
         DebugConsole(reg, m, input_fn, _out, warn=_err).run(wait=a.wait)
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import queue
+import re
 import shlex
 import signal
 import sys
@@ -23,9 +24,11 @@ from ..controller import Request
 from ..debug.console import report_quits
 from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError
+from ..launchers import get_launcher
 from ..mesh import ValueMesh, parse_ranks
 from ..output import RankPrinter
 from ..procmesh import ProcMesh, spawn_procs
+from .debug_bridge import cell_console, debug_command  # also serves paused actor calls
 
 __all__ = ["MeshMagics"]
 
@@ -45,16 +48,28 @@ x = %mesh pull NAME                          a ValueMesh of NAME from every rank
 %mesh stop [--all]                           stop the mesh's workers"""
 
 
+def _usage_of(name: str) -> str:
+    """The usage line of one command (``"%mesh spawn"``, ``"%%mesh"``), without its help."""
+    for line in USAGE.splitlines():
+        head = re.split(r"\s{2,}", line.strip())[0]
+        if head.startswith(f"{name} ") or head == name or f"= {name} " in head:
+            return head
+    return "see  %mesh help"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:
-        raise UsageError(f"%mesh {self.prog.split()[-1]}: {message}. Usage:\n{USAGE}")
+        cmd = self.prog.split()[-1]
+        name = cmd if cmd.startswith("%") else f"%mesh {cmd}"
+        raise UsageError(f"{name}: {message}. Usage: {_usage_of(name)}")
 
     def exit(self, status: int = 0, message: str | None = None) -> Any:
         raise UsageError(message or USAGE)
 
 
 def _parser(name: str) -> _Parser:
-    return _Parser(prog=f"%mesh {name}", add_help=False, exit_on_error=False)
+    # exit_on_error stays True: bad values (type=float, choices) then reach error() above
+    return _Parser(prog=f"%mesh {name}", add_help=False)
 
 
 def parse_shape(text: str) -> dict[str, int]:
@@ -167,7 +182,9 @@ class MeshMagics(Magics):
         cmd, rest = argv[0], argv[1:]
         handler = getattr(self, f"_cmd_{cmd}", None)
         if handler is None:
-            raise UsageError(f"%mesh: unknown command {cmd!r}. Usage:\n{USAGE}")
+            known = ", ".join(n[5:] for n in dir(self) if n.startswith("_cmd_"))
+            raise UsageError(f"%mesh: unknown command {cmd!r}; use one of {known} "
+                             "(see  %mesh help)")
         try:
             return handler(rest)
         except (UsageError, KeyboardInterrupt):
@@ -197,18 +214,23 @@ class MeshMagics(Magics):
             raise UsageError("%mesh spawn: --telemetry-interval must be 0 (off) or more seconds")
         if a.max_restarts < 0:
             raise UsageError("%mesh spawn: --max-restarts must be 0 or more")
+        if not (a.heartbeat > 0 and a.timeout > 0):  # (also rejects nan)
+            raise UsageError("%mesh spawn: --heartbeat and --timeout must be positive seconds")
         dims = parse_shape(a.size)
         launcher_options = slurm_options(a)
         if not a.name.isidentifier():
             raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
+        try:  # before the previous mesh is stopped: a typo must not cost the running mesh
+            launcher = get_launcher(a.launcher, **launcher_options)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"%mesh spawn: {e}") from None
         old = self.meshes.pop(a.name, None)
         if old is not None and not old.root._stopped:
             print(f"stopping the previous mesh {a.name!r} {old.shape.dims}")
             old.stop()
         t0 = time.monotonic()
         try:
-            m = spawn_procs(dims, dist=a.dist, launcher=a.launcher, bind=a.bind,
-                            launcher_options=launcher_options,
+            m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
                             restart=a.restart, max_restarts=a.max_restarts,
                             heartbeat=a.heartbeat, timeout=a.timeout,
                             telemetry_interval=a.telemetry_interval)
@@ -267,20 +289,30 @@ class MeshMagics(Magics):
     def _cmd_pull(self, argv: list[str]) -> Any:
         if not argv:
             raise UsageError("%mesh pull: name the variable to fetch, e.g.  x = %mesh pull loss")
+        for name in argv:
+            if not name.isidentifier():
+                raise UsageError(f"%mesh pull: {name!r} is not a variable name; "
+                                 "e.g.  x = %mesh pull loss")
         m = self.current_mesh()
         out = []
         for name in argv:
             req = m.request("pull", {"names": [name]})
-            vm = m.collect(req)
+            try:
+                vm = m.collect(req)
+            except NameError as e:  # one line, not a traceback per rank group
+                first = (str(e).splitlines() or [repr(e)])[0]
+                raise UsageError(f"%mesh pull: {first}; define {name} on the ranks first "
+                                 f"(in a %%mesh cell, or  %mesh push {name})") from None
             out.append(ValueMesh(vm.shape, [v[0] for v in vm.values()]))
         return out[0] if len(out) == 1 else tuple(out)
 
     def _cmd_debug(self, argv: list[str]) -> None:
-        from .debug_bridge import debug_command
-
         debug_command(self, argv)
 
     def _cmd_status(self, argv: list[str]) -> Any:
+        if argv:
+            raise UsageError(f"%mesh status: unexpected arguments {' '.join(argv)!r}. "
+                             f"Usage: {_usage_of('%mesh status')}")
         from ..ui.status import StatusTable
 
         return StatusTable(self.current_mesh())
@@ -324,8 +356,6 @@ class MeshMagics(Magics):
         """Show the request's output live until it is done; handle interrupts."""
         self._progress_cell = getattr(self, "_progress_cell", 0) + 1
         printer = RankPrinter(self._write, on_progress=self._progress)
-        from .debug_bridge import cell_console
-
         self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
         start = time.monotonic()
         interrupted: float | None = None
@@ -375,7 +405,8 @@ class MeshMagics(Magics):
                 if done:
                     return
                 now = time.monotonic()
-                if interrupted is None and timeout is not None and now - start > timeout:
+                paused_s = getattr(getattr(self, "_debug_console", None), "paused_s", 0.0)
+                if interrupted is None and timeout is not None and now - start - paused_s > timeout:
                     raise _Timeout
                 if interrupted is not None and now - interrupted > 5.0:
                     raise KeyboardInterrupt  # escalate

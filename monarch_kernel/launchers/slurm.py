@@ -27,7 +27,6 @@ object) and the column output of older versions.
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import os
 import re
@@ -46,125 +45,34 @@ from typing import Any
 from ..errors import MeshError, MeshFailure
 from ..netaddr import address_towards, primary_address
 from .base import Launcher, LaunchSpec, Placement, worker_command
+from .slurm_cli import (
+    ACTIVE_STATES,
+    WAITING_STATES,
+    JobInfo,
+    JobQuery,
+    decode_exit,
+    parse_scontrol_job,
+    parse_squeue_columns,
+    parse_squeue_json,
+    read_tail,
+    slurm_version,
+    slurmctld_host,
+    unlink_quiet,
+)
 
-__all__ = ["SlurmLauncher", "JobInfo", "parse_squeue_json", "parse_squeue_columns",
-           "parse_scontrol_job", "decode_exit", "ACTIVE_STATES"]
+__all__ = [
+    "ACTIVE_STATES",
+    "JobInfo",
+    "SlurmLauncher",
+    "decode_exit",
+    "parse_scontrol_job",
+    "parse_squeue_columns",
+    "parse_squeue_json",
+]
 
 log = logging.getLogger("monarch_kernel.launchers.slurm")
 
-#: job states in which the job still holds (or waits for) resources
-ACTIVE_STATES = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-    "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
-    "RESV_DEL_HOLD", "POWER_UP_NODE", "UPDATE_DB",
-})
-#: states in which the workers have not started yet
-WAITING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD",
-                            "REQUEUE_FED", "RESV_DEL_HOLD", "POWER_UP_NODE"})
-
 _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
-
-
-@dataclass
-class JobInfo:
-    """What Slurm says about one job (state names as ``squeue -o %T`` prints them)."""
-
-    job_id: str
-    state: str
-    reason: str = ""
-    nodes: str = ""
-    exit_code: int | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.state in ACTIVE_STATES
-
-
-def decode_exit(value: Any) -> int | None:
-    """An exit code from any of Slurm's spellings (negative: killed by that signal).
-
-    ``768`` (a wait status, JSON of 21.08/22.05), ``"3:0"`` (``rc:signal``,
-    scontrol and sacct), ``{"return_code": {"number": 3}, "signal": ...}``
-    (JSON of 23.x/24.x).
-    """
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        sig = value & 0x7F
-        return -sig if sig and sig != 0x7F else (value >> 8) & 0xFF
-    if isinstance(value, str):
-        m = re.match(r"^\s*(\d+)(?::(\d+))?\s*$", value)
-        if not m:
-            return None
-        rc, sig = int(m.group(1)), int(m.group(2) or 0)
-        return -sig if sig else rc
-    if isinstance(value, dict):
-        if "number" in value:  # {"set": true, "number": 3}
-            return int(value["number"]) if value.get("set", True) else None
-        sig = value.get("signal")
-        if isinstance(sig, dict):
-            sig = sig.get("id", sig.get("signal_id"))
-            if isinstance(sig, dict):
-                sig = sig.get("number") if sig.get("set", True) else None
-        if isinstance(sig, int) and sig > 0:
-            return -sig
-        rc = value.get("return_code")
-        if isinstance(rc, dict):
-            rc = rc.get("number") if rc.get("set", True) else None
-        return int(rc) if isinstance(rc, int) else None
-    return None
-
-
-def _state_name(value: Any) -> str:
-    if isinstance(value, list):
-        value = value[0] if value else ""
-    if isinstance(value, dict):  # {"current": [...]} in some versions
-        return _state_name(value.get("current") or value.get("name") or "")
-    return str(value or "").upper().rstrip("+")
-
-
-def parse_squeue_json(text: str, job_id: str) -> JobInfo | None:
-    """Job ``job_id`` from ``squeue --json`` output (None if it is not listed).
-
-    Raises
-    ------
-    ValueError
-        If ``text`` is not squeue's JSON.
-    """
-    data = json.loads(text)
-    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
-        raise ValueError("no 'jobs' list in squeue's JSON")
-    for j in data["jobs"]:
-        if str(j.get("job_id")) != str(job_id):
-            continue
-        nodes = j.get("nodes") or j.get("node_list") or ""
-        return JobInfo(str(job_id), _state_name(j.get("job_state")),
-                       str(j.get("state_reason") or ""),
-                       nodes if isinstance(nodes, str) else "",
-                       decode_exit(j.get("exit_code")))
-    return None
-
-
-def parse_squeue_columns(text: str, job_id: str) -> JobInfo | None:
-    """Job ``job_id`` from ``squeue -h -o '%i|%T|%r|%N'`` output."""
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 2 and parts[0].strip() == str(job_id):
-            parts += [""] * (4 - len(parts))
-            return JobInfo(str(job_id), _state_name(parts[1].strip()), parts[2].strip(),
-                           parts[3].strip())
-    return None
-
-
-def parse_scontrol_job(text: str, job_id: str) -> JobInfo | None:
-    """Job ``job_id`` from ``scontrol show job -o ID`` (``Key=Value`` tokens)."""
-    fields = dict(re.findall(r"(\w+)=(\S*)", text))
-    if fields.get("JobId") != str(job_id) or "JobState" not in fields:
-        return None
-    nodes = fields.get("NodeList", "")
-    return JobInfo(str(job_id), _state_name(fields["JobState"]),
-                   fields.get("Reason", "").replace("None", ""),
-                   "" if nodes == "(null)" else nodes, decode_exit(fields.get("ExitCode")))
 
 
 @dataclass
@@ -184,6 +92,8 @@ class _Unit:
     nodes: str = ""
     exit_code: int | None = None
     ended: bool = False
+    started: bool = False  # seen running
+    next_check: float = 0.0  # when the watcher asks Slurm next
     live: set[int] = field(default_factory=set)  # ranks whose exit is still to report
     leftover_done: set[int] = field(default_factory=set)
 
@@ -219,8 +129,10 @@ class SlurmLauncher(Launcher):
         before connecting or after dying (shown in failure messages when it
         is readable here). Removed at :meth:`stop`.
     job_name : str
+        The job's name (steps are named ``job_name-<random>``).
     poll_interval : float
-        Seconds between job-state queries of the watcher thread.
+        Seconds between the watcher's job-state queries (5 times that once
+        every rank connected: heartbeats watch them then).
     pending_timeout : float, optional
         Give up (TimeoutError) if the job is still queued after this many
         seconds; default: wait until interrupted.
@@ -244,7 +156,7 @@ class SlurmLauncher(Launcher):
         key_dir: str | None = None,
         output: str = "/tmp/monarch-%u-%j.out",
         job_name: str = "monarch",
-        poll_interval: float = 1.0,
+        poll_interval: float = 2.0,
         pending_timeout: float | None = None,
         report: Callable[[str], None] | None = None,
     ) -> None:
@@ -270,7 +182,7 @@ class SlurmLauncher(Launcher):
         self.units: list[_Unit] = []
         self._unit_of: dict[int, _Unit] = {}
         self._exits: dict[int, int] = {}
-        self._json: bool | None = None  # does `squeue --json` work here?
+        self._query = JobQuery(lambda *a, **kw: self._run(*a, **kw))
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -281,7 +193,7 @@ class SlurmLauncher(Launcher):
     def _run(cmd: list[str], timeout: float = 30.0, input: str | None = None,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(cmd, input=input, capture_output=True, text=True,
+            return subprocess.run(cmd, check=False, input=input, capture_output=True, text=True,
                                   timeout=timeout, env=env,
                                   stdin=None if input is not None else subprocess.DEVNULL)
         except FileNotFoundError:
@@ -291,57 +203,9 @@ class SlurmLauncher(Launcher):
             ) from None
 
     def query(self, job_id: str) -> JobInfo | None:
-        """The state of ``job_id`` (None when Slurm could not be asked).
-
-        A job no longer known to Slurm is reported as state ``GONE``.
-        """
-        if self._json is not False:
-            try:
-                cp = self._run(["squeue", "--json", "--jobs", job_id])
-                if cp.returncode == 0:
-                    info = parse_squeue_json(cp.stdout, job_id)
-                    self._json = True
-                    if info is not None:
-                        return info
-                elif self._json is None and "Invalid job id" not in cp.stderr:
-                    self._json = False  # no --json here (Slurm < 21.08, or no plugin)
-            except ValueError:
-                self._json = False
-            except subprocess.TimeoutExpired:
-                return None
-        else:
-            try:
-                cp = self._run(["squeue", "-h", "--jobs", job_id, "-o", "%i|%T|%r|%N"])
-            except subprocess.TimeoutExpired:
-                return None
-            if cp.returncode == 0:
-                info = parse_squeue_columns(cp.stdout, job_id)
-                if info is not None:
-                    return info
-            elif "Invalid job id" not in cp.stderr:
-                return None
-        return self._finished(job_id)
-
-    def _finished(self, job_id: str) -> JobInfo | None:
-        """A job squeue no longer lists: scontrol, then sacct, else GONE."""
-        try:
-            cp = self._run(["scontrol", "show", "job", "-o", job_id])
-            if cp.returncode == 0:
-                info = parse_scontrol_job(cp.stdout, job_id)
-                if info is not None:
-                    return info
-            cp = self._run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o",
-                            "JobID,State,ExitCode,NodeList"])
-        except subprocess.TimeoutExpired:
-            return None
-        if cp.returncode == 0:
-            for line in cp.stdout.splitlines():
-                parts = line.split("|")
-                if len(parts) >= 3 and parts[0] == job_id:
-                    return JobInfo(job_id, _state_name(parts[1].split()[0] if parts[1] else ""),
-                                   "", parts[3] if len(parts) > 3 else "",
-                                   decode_exit(parts[2]))
-        return JobInfo(job_id, "GONE")
+        """The state of ``job_id`` (None when Slurm could not be asked; state
+        ``GONE`` once Slurm forgot the job). See :class:`.slurm_cli.JobQuery`."""
+        return self._query(job_id)
 
     def _find_step(self, unit: _Unit) -> None:
         unit.step_tried = time.monotonic()
@@ -418,7 +282,7 @@ class SlurmLauncher(Launcher):
                 spec, ranks, step_name, key_file)
         except BaseException:
             if key_file:
-                _unlink(key_file)
+                unlink_quiet(key_file)
             raise
         with self._lock:
             for r in ranks:
@@ -479,7 +343,7 @@ class SlurmLauncher(Launcher):
         cmd = ["srun", f"--jobid={job_id}", f"--job-name={step_name}",
                *self._geometry(spec, ranks), "--distribution=block", "--kill-on-bad-exit=0",
                "--label"]
-        if _slurm_version() >= (20, 11):
+        if slurm_version() >= (20, 11):
             cmd.append("--overlap")  # share the allocation with the user's other steps
         if self.gpus_per_node is not None:
             cmd.append(f"--gpus-per-node={self.gpus_per_node}")
@@ -516,8 +380,9 @@ class SlurmLauncher(Launcher):
             Passed on (the caller cancels the job).
         """
         for unit in list(self.units):
-            if unit.proc is None:
+            if unit.proc is None and not unit.started:
                 self._wait_job(unit)
+                unit.started = True
 
     def _wait_job(self, unit: _Unit) -> None:
         t0 = last_print = time.monotonic()
@@ -575,7 +440,7 @@ class SlurmLauncher(Launcher):
         return f"{unit.state}{code}"
 
     def _tail(self, unit: _Unit, lines: int = 10) -> str:
-        text = _read_tail(unit.output)
+        text = read_tail(unit.output)
         if not text:
             return ""
         return "; its output:\n" + "\n".join(f"  {ln}" for ln in text.splitlines()[-lines:])
@@ -595,13 +460,23 @@ class SlurmLauncher(Launcher):
                             unit.state = "COMPLETED" if code == 0 else "FAILED"
                             self._ended(unit, code)
                         continue
+                    # once every rank said hello, heartbeats watch them: ask Slurm less
+                    now = time.monotonic()
+                    if now < unit.next_check:
+                        continue
+                    unit.next_check = now + (4 * self.poll_interval if self._connected(unit)
+                                             else 0.0)
                     info = self.query(unit.job_id)
                     if info is not None:
                         self._update(unit, info)
                         if unit.step is None and info.state == "RUNNING":
                             self._find_step(unit)
-                except Exception:  # noqa: BLE001 - the watcher must survive a bad answer
+                except Exception:  # the watcher must survive a bad answer
                     log.exception("watching Slurm job %s failed", unit.job_id)
+
+    def _connected(self, unit: _Unit) -> bool:
+        ranks = self.controller.ranks if self.controller is not None else {}
+        return all(r in ranks and ranks[r].state != "starting" for r in unit.live)
 
     def poll(self) -> dict[int, int]:
         """Ranks whose job (or step) ended since the last call (cheap: no Slurm call)."""
@@ -625,7 +500,7 @@ class SlurmLauncher(Launcher):
         if unit is None or rank in unit.leftover_done or rank not in unit.ranks:
             return []
         unit.leftover_done.add(rank)
-        text = _read_tail(unit.output, 65536)
+        text = read_tail(unit.output, 65536)
         if not text:
             return []
         task = str(unit.ranks.index(rank))
@@ -742,7 +617,7 @@ class SlurmLauncher(Launcher):
             self._ended(u, u.exit_code)
             for path in (u.key_file, u.output):
                 if path:
-                    _unlink(path)
+                    unlink_quiet(path)
         with self._lock:
             if all(u.ended for u in self.units):
                 self._closing.set()
@@ -753,9 +628,7 @@ class SlurmLauncher(Launcher):
     def _gone(self, unit: _Unit) -> bool:
         """True once the job (or step) is no longer listed by Slurm."""
         if unit.proc is not None:
-            if unit.proc.poll() is None:
-                return False
-            return True
+            return unit.proc.poll() is not None
         info = self.query(unit.job_id)
         if info is None:
             return False
@@ -777,56 +650,5 @@ class SlurmLauncher(Launcher):
             except (subprocess.TimeoutExpired, MeshError):
                 pass
         if target is None:
-            target = _slurmctld_host()
+            target = slurmctld_host()
         return (address_towards(target) if target else None) or primary_address()
-
-
-def _slurmctld_host() -> str | None:
-    """The (first) slurmctld host's address or name, from ``scontrol show config``."""
-    try:
-        cp = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
-                            timeout=10, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in cp.stdout.splitlines():
-        m = re.match(r"^\s*(?:SlurmctldHost\[0\]|ControlMachine|ControlAddr)\s*=\s*(\S+)", line)
-        if m:
-            value = m.group(1)
-            inner = re.match(r"^([^()]+)\(([^()]+)\)$", value)  # name(addr)
-            return inner.group(2) if inner else value
-    return None
-
-
-_version: tuple[int, int] | None = None
-
-
-def _slurm_version() -> tuple[int, int]:
-    global _version
-    if _version is None:
-        try:
-            out = subprocess.run(["srun", "--version"], capture_output=True, text=True,
-                                 timeout=10, stdin=subprocess.DEVNULL).stdout
-            m = re.search(r"(\d+)\.(\d+)", out)
-            _version = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-        except (OSError, subprocess.TimeoutExpired):
-            _version = (0, 0)
-    return _version
-
-
-def _read_tail(path: str | None, size: int = 8192) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

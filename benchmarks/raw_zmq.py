@@ -1,0 +1,171 @@
+"""The baseline: raw pyzmq DEALER/ROUTER echo between processes.
+
+The "controller" binds a ROUTER; each "worker" (``python -m
+benchmarks.raw_zmq worker ADDR ID``) connects a DEALER and answers every
+message: an empty frame is echoed (a no-op call); a large frame is summed
+with numpy (as float32) and the 8-byte sum sent back. A worker can also be
+told to send a large frame to a peer (worker to worker transfer).
+This is the least any framework on ZeroMQ must do, with no serialization,
+signing or routing logic.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .stats import latencies_us, p50, p99
+
+MiB = 1 << 20
+
+
+def worker(addr: str, ident: str) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.identity = ident.encode()
+    s.connect(addr)
+    peer = ctx.socket(zmq.ROUTER)
+    peer.linger = 0
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    s.send_multipart([b"hello", str(port).encode()])
+    poller = zmq.Poller()
+    poller.register(s, zmq.POLLIN)
+    poller.register(peer, zmq.POLLIN)
+    out: dict[str, zmq.Socket] = {}
+    while True:
+        ev = dict(poller.poll())
+        if peer in ev:
+            who, data = peer.recv_multipart(copy=False)
+            total = float(np.frombuffer(data.buffer, dtype=np.float32).sum())
+            peer.send_multipart([who.bytes, np.float64(total).tobytes()])
+        if s in ev:
+            frames = s.recv_multipart(copy=False)
+            kind = frames[0].bytes
+            if kind == b"stop":
+                break
+            if kind == b"noop":
+                s.send_multipart([b"ok", frames[1]])
+            elif kind == b"sum":
+                total = float(np.frombuffer(frames[1].buffer, dtype=np.float32).sum())
+                s.send_multipart([b"ok", np.float64(total).tobytes()])
+            elif kind == b"p2p":  # send N bytes to the peer at port, time it
+                port, nbytes = frames[1].bytes.decode().split(":")
+                d = out.get(port)
+                if d is None:
+                    d = out[port] = ctx.socket(zmq.DEALER)
+                    d.linger = 0
+                    d.connect(f"tcp://127.0.0.1:{port}")
+                payload = np.ones(int(nbytes) // 4, dtype=np.float32)
+                t0 = time.perf_counter()
+                d.send(payload, copy=False)
+                d.recv()
+                s.send_multipart([b"ok", str(time.perf_counter() - t0).encode()])
+    s.close(0)
+    peer.close(0)
+    for d in out.values():
+        d.close(0)
+    ctx.term()
+
+
+class RawMesh:
+    """N raw echo workers and a ROUTER controller."""
+
+    def __init__(self, n: int) -> None:
+        t0 = time.perf_counter()
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        addr = f"tcp://127.0.0.1:{port}"
+        self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.raw_zmq", "worker",
+                                        addr, f"w{i}"]) for i in range(n)]
+        self.ids: list[bytes] = []
+        self.peer_ports: dict[bytes, str] = {}
+        while len(self.ids) < n:
+            if not self.router.poll(30000):
+                raise TimeoutError("raw workers did not connect")
+            ident, _, port_b = self.router.recv_multipart()
+            self.ids.append(ident)
+            self.peer_ports[ident] = port_b.decode()
+        self.ids.sort()
+        self.spawn_s = time.perf_counter() - t0
+
+    def call(self, ident: bytes, kind: bytes = b"noop", data: Any = b"") -> Any:
+        self.router.send_multipart([ident, kind, data], copy=False)
+        return self.router.recv_multipart()[2]
+
+    def bcast(self) -> None:
+        for i in self.ids:
+            self.router.send_multipart([i, b"noop", b""])
+        for _ in self.ids:
+            self.router.recv_multipart()
+
+    def pipelined(self, n: int = 1000) -> float:
+        ident = self.ids[0]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.router.send_multipart([ident, b"noop", b""])
+        for _ in range(n):
+            self.router.recv_multipart()
+        return n / (time.perf_counter() - t0)
+
+    def tensor_gbps(self, nbytes: int = 64 * MiB) -> float:
+        data = np.ones(nbytes // 4, dtype=np.float32)
+        self.call(self.ids[0], b"sum", data)  # warm-up
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.call(self.ids[0], b"sum", data)
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
+
+    def p2p_gbps(self, nbytes: int = 64 * MiB) -> float:
+        a, b = self.ids[0], self.ids[1]
+        arg = f"{self.peer_ports[b]}:{nbytes}".encode()
+        self.call(a, b"p2p", arg)
+        best = 0.0
+        for _ in range(3):
+            secs = float(self.call(a, b"p2p", arg))
+            best = max(best, nbytes / secs / 1e9)
+        return best
+
+    def close(self) -> None:
+        for i in self.ids:
+            self.router.send_multipart([i, b"stop", b""])
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.router.close(0)
+        self.ctx.term()
+
+
+def measure(n: int, calls: int = 2000, big: bool = True) -> dict[str, float]:
+    """The raw figures for ``n`` workers."""
+    m = RawMesh(n)
+    try:
+        lat = latencies_us(lambda: m.call(m.ids[0]), calls)
+        out = {"call_p50_us": p50(lat), "call_p99_us": p99(lat),
+               "bcast_p50_us": p50(latencies_us(m.bcast, max(200, calls // 4))),
+               "calls_per_s": max(m.pipelined() for _ in range(3)),
+               "spawn_s": m.spawn_s}
+        if big:
+            out["tensor_gbps"] = m.tensor_gbps()
+            if n >= 2:
+                out["p2p_gbps"] = m.p2p_gbps()
+        return out
+    finally:
+        m.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        worker(sys.argv[2], sys.argv[3])

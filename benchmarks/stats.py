@@ -1,0 +1,34 @@
+"""Small timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def latencies_us(fn: Callable[[], object], n: int, warmup: int = 100) -> list[float]:
+    """Call ``fn`` ``warmup + n`` times; the last ``n`` durations in microseconds."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    clock = time.perf_counter
+    for _ in range(n):
+        t0 = clock()
+        fn()
+        out.append((clock() - t0) * 1e6)
+    return out
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+
+def best_of(fn: Callable[[], float], times: int) -> float:
+    """The best (largest) of ``times`` throughput measurements."""
+    return max(fn() for _ in range(times))

@@ -1,0 +1,189 @@
+"""Issue 7: reading Slurm's output across versions, and what the launcher submits.
+
+No Slurm needed: the parsers get recorded output shapes of Slurm 22.05
+(JSON and columns) and the JSON shape of 23.x/24.x; the submission is
+checked by replacing the launcher's command runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+import pytest
+from IPython.core.error import UsageError
+
+from monarch_kernel.kernel.magics import slurm_options
+from monarch_kernel.launchers import get_launcher
+from monarch_kernel.launchers.base import LaunchSpec
+from monarch_kernel.launchers.slurm import (
+    SlurmLauncher,
+    decode_exit,
+    parse_scontrol_job,
+    parse_squeue_columns,
+    parse_squeue_json,
+)
+from monarch_kernel.launchers.slurm_cli import JobQuery
+
+
+def test_decode_exit_spellings():
+    assert decode_exit(0) == 0
+    assert decode_exit(768) == 3  # wait status (22.05 JSON)
+    assert decode_exit(15) == -15  # killed by SIGTERM
+    assert decode_exit("3:0") == 3
+    assert decode_exit("0:9") == -9
+    assert decode_exit({"status": ["EXITED"], "return_code": {"set": True, "number": 3},
+                        "signal": {"id": {"set": False, "number": 0}, "name": ""}}) == 3
+    assert decode_exit({"status": "SIGNALED", "return_code": 0,
+                        "signal": {"signal_id": 9, "name": "KILL"}}) == -9
+    assert decode_exit({"set": True, "number": 2}) == 2
+    assert decode_exit(None) is None and decode_exit("garbage") is None
+
+
+def test_squeue_json_22_05_and_24_shapes():
+    old = {"meta": {}, "errors": [], "jobs": [
+        {"job_id": 1, "job_state": "COMPLETED", "state_reason": "None", "nodes": "vm",
+         "exit_code": 0},
+        {"job_id": 2, "job_state": "PENDING", "state_reason": "Resources", "nodes": "",
+         "exit_code": 0}]}
+    info = parse_squeue_json(json.dumps(old), "2")  # squeue --json ignored --jobs here
+    assert (info.state, info.reason, info.active) == ("PENDING", "Resources", True)
+    new = {"jobs": [{"job_id": 7, "job_state": ["RUNNING"], "state_reason": "None",
+                     "nodes": "n[01-02]", "exit_code": {"status": ["SUCCESS"],
+                                                        "return_code": {"set": True,
+                                                                        "number": 0}}}]}
+    info = parse_squeue_json(json.dumps(new), "7")
+    assert (info.state, info.nodes, info.exit_code) == ("RUNNING", "n[01-02]", 0)
+    assert parse_squeue_json(json.dumps(new), "8") is None
+    with pytest.raises(ValueError):
+        parse_squeue_json("squeue: error: unrecognized option '--json'", "7")
+
+
+def test_squeue_columns_and_scontrol():
+    info = parse_squeue_columns("  12|PENDING|BeginTime|\n", "12")
+    assert (info.state, info.reason, info.nodes) == ("PENDING", "BeginTime", "")
+    assert parse_squeue_columns("", "12") is None
+    text = ("JobId=4 JobName=wrap UserId=root(0) JobState=FAILED Reason=NonZeroExitCode "
+            "Dependency=(null) ExitCode=3:0 NodeList=vm BatchHost=vm")
+    info = parse_scontrol_job(text, "4")
+    assert (info.state, info.exit_code, info.nodes, info.active) == ("FAILED", 3, "vm", False)
+    assert parse_scontrol_job("JobId=5 JobState=CANCELLED ExitCode=0:15", "5").exit_code == -15
+
+
+class _Recorder(SlurmLauncher):
+    """A SlurmLauncher whose commands are recorded instead of run."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def _run(self, cmd, timeout=30.0, input=None, env=None):
+        self.calls.append((cmd, input, env))
+        return subprocess.CompletedProcess(cmd, 0, stdout="4242\n", stderr="")
+
+
+class _AliveThread:
+    """Stands in for the watcher thread (nothing to watch here)."""
+
+    def is_alive(self):
+        return True
+
+
+def _spec(shape):
+    return LaunchSpec("tcp://10.0.0.1:5555", b"\x01" * 32, shape,
+                      list(range(shape["hosts"] * shape["procs"])))
+
+
+def test_sbatch_submission_keeps_the_key_out_of_argv_and_script(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    la = _Recorder(partition="gpu", time="30", account="proj", gpus_per_node=4,
+                   extra_args="--qos=high")
+    la._watcher = _AliveThread()
+    la.launch(_spec({"hosts": 2, "procs": 4}))
+    cmd, script, env = la.calls[0]
+    key = (b"\x01" * 32).hex()
+    assert cmd[0] == "sbatch" and key not in " ".join(cmd) and key not in script
+    assert env["MONARCH_MESH_KEY"] == key  # through the job's environment
+    for arg in ("--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--partition=gpu",
+                "--time=30", "--account=proj", "--gpus-per-node=4", "--qos=high",
+                "--export=ALL"):
+        assert arg in cmd
+    assert "srun" in script and "SLURM_PROCID" in script and "--distribution=block" in script
+    assert la.placements()[7].job == "4242"
+
+
+def test_key_file_and_packing_onto_fewer_nodes(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    la = _Recorder(nodes=1, key_dir=str(tmp_path))
+    la._watcher = _AliveThread()
+    la.launch(_spec({"hosts": 2, "procs": 2}))
+    cmd, script, env = la.calls[0]
+    assert "--nodes=1" in cmd and "--ntasks=4" in cmd
+    assert not any(a.startswith("--ntasks-per-node") for a in cmd)
+    assert "MONARCH_MESH_KEY" not in env
+    (keyfile,) = tmp_path.iterdir()
+    assert oct(keyfile.stat().st_mode & 0o777) == "0o600"
+    assert str(keyfile) in script and keyfile.read_text() not in script
+
+
+def test_magic_options_and_launcher_names():
+    ns = argparse.Namespace(launcher="slurm", partition="p", time="1:00:00", account=None,
+                            gpus_per_node=2, nodes=None, sbatch="--qos=high --exclusive")
+    assert slurm_options(ns) == {"partition": "p", "time": "1:00:00", "gpus_per_node": 2,
+                                 "extra_args": ["--qos=high", "--exclusive"]}
+    ns.launcher = "local"
+    with pytest.raises(UsageError, match="need --launcher slurm"):
+        slurm_options(ns)
+    assert isinstance(get_launcher("monarch_kernel.launchers.slurm:SlurmLauncher"),
+                      SlurmLauncher)
+    with pytest.raises(ValueError, match="not a Launcher"):
+        get_launcher("json:dumps")
+    with pytest.raises(ValueError, match="unknown launcher"):
+        get_launcher("kubernetes")
+
+
+def _fake_run(answers):
+    """A command runner answering by the command's first two words."""
+    calls = []
+
+    def run(cmd, timeout=30.0, input=None, env=None):
+        calls.append(cmd)
+        for prefix, (rc, out, err) in answers.items():
+            if " ".join(cmd).startswith(prefix):
+                return subprocess.CompletedProcess(cmd, rc, out, err)
+        raise AssertionError(f"unexpected command {cmd}")
+
+    return run, calls
+
+
+def test_job_query_falls_back_to_columns_without_json():
+    run, calls = _fake_run({
+        "squeue --json": (1, "", "squeue: unrecognized option '--json'"),
+        "squeue -h": (0, "12|RUNNING|None|n01\n", ""),
+    })
+    q = JobQuery(run)
+    assert q("12").state == "RUNNING" and q.json is False
+    assert q("12").nodes == "n01"
+    assert sum(c[1] == "--json" for c in calls) == 1  # asked once, then columns only
+
+
+def test_job_query_unknown_is_not_gone_and_forgotten_is():
+    run, _ = _fake_run({
+        "squeue --json": (1, "", "slurm_load_jobs error: Unable to contact slurm controller"),
+    })
+    q = JobQuery(run)
+    q.json = True
+    assert q("12") is None  # slurmctld unreachable: conclude nothing
+    run, _ = _fake_run({
+        "squeue --json": (1, "", "slurm_load_jobs error: Invalid job id specified"),
+        "scontrol show job": (1, "", "slurm_load_jobs error: Invalid job id specified"),
+        "sacct": (1, "", "Slurm accounting storage is disabled"),
+    })
+    assert JobQuery(run)("12").state == "GONE"
+    run, _ = _fake_run({
+        "squeue --json": (0, '{"jobs": []}', ""),
+        "scontrol show job": (0, "JobId=12 JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15", ""),
+    })
+    info = JobQuery(run)("12")
+    assert (info.state, info.exit_code, info.active) == ("TIMEOUT", -15, False)

@@ -1,0 +1,487 @@
+"""Issue 9: attacks on the wire, with raw ZeroMQ sockets.
+
+Three targets:
+
+* a **worker**, started by hand and pointed at a ROUTER this test binds (the
+  test is its controller, with the right key for the good requests);
+* a **controller** of a real mesh, reached by a DEALER that claims to be
+  rank 0;
+* a worker's **peer socket** (the ROUTER actors call each other through).
+
+Every bad message carries an ``execute`` (or a ``call``) whose code, or
+whose pickle when unpickled, would create a marker file. After each attack
+the marker must be absent, a warning must have been logged ("dropped a
+message") and the target must still serve a good request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+from monarch_kernel import protocol, serialize
+from monarch_kernel.testing import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = 64 * 1024  # the worker's --max-header / --max-buffers in these tests (bytes)
+
+
+class Evil:
+    """Unpickling it creates ``path``: proof that something was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "a"))
+
+
+class FakeController:
+    """A ROUTER bound on loopback and one worker process connected to it.
+
+    Parameters
+    ----------
+    tmp : Path
+        Where the worker's stderr (its log) goes.
+    limits : bool
+        Start the worker with ``--max-header`` / ``--max-buffers`` of :data:`SMALL`.
+    """
+
+    def __init__(self, tmp: Path, limits: bool = True) -> None:
+        self.key = protocol.new_key()
+        self.codec = protocol.Codec(self.key, "ctl")
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.errpath = tmp / "worker-stderr.txt"
+        self._err = open(self.errpath, "wb")
+        cmd = [sys.executable, "-m", "monarch_kernel.worker", "--controller", self.address,
+               "--rank", "0", "--world-size", "1", "--heartbeat-timeout", "120",
+               "--telemetry-interval", "0"]
+        if limits:
+            cmd += ["--max-header", str(SMALL), "--max-buffers", str(SMALL)]
+        env = dict(os.environ, MONARCH_MESH_KEY=self.key.hex())
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=self._err)
+        hello = self.recv(60)
+        assert hello.type == "hello", hello
+        self.identity = hello.identity[0]
+
+    def recv(self, timeout: float) -> protocol.Message:
+        """The next message from the worker that is not a heartbeat."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.router.poll(int(left * 1000)):
+                raise TimeoutError(f"no message from the worker within {timeout} s")
+            msg = self.codec.decode(self.router.recv_multipart(), router=True)
+            if msg.type not in ("heartbeat", "state"):
+                return msg
+
+    def send_raw(self, frames: list[Any]) -> None:
+        self.router.send_multipart([self.identity, *frames])
+
+    def execute(self, code: str, timeout: float = 30) -> tuple[dict, str]:
+        """Run ``code`` (correctly signed); its reply content and stdout."""
+        frames = self.codec.encode("execute", {"code": code})
+        mid = json.loads(bytes(frames[2]))["id"]
+        self.send_raw(frames)
+        out = []
+        while True:
+            msg = self.recv(timeout)
+            if msg.parent != mid:
+                continue
+            if msg.type == "stream":
+                out.append(msg.content["text"])
+            elif msg.type == "reply":
+                return msg.content, "".join(out)
+
+    def log(self) -> str:
+        return self.errpath.read_bytes().decode(errors="replace")
+
+    def dropped(self) -> int:
+        return self.log().count("dropped a message")
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.send_raw(self.codec.encode("stop", {}))
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+        finally:
+            self._err.close()
+            self.router.close(0)
+            self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    fc = FakeController(tmp_path_factory.mktemp("fake-controller"))
+    try:
+        yield fc
+    finally:
+        fc.close()
+
+
+@pytest.fixture
+def marker(tmp_path):
+    return tmp_path / "ran"
+
+
+def _marker_code(marker: Path) -> str:
+    return f"open({str(marker)!r}, 'a').write('ran\\n')"
+
+
+def _attack(fake: FakeController, marker: Path, messages: list[list[Any]],
+            expect: str | None = None) -> None:
+    """Send each bad message; check nothing ran, each was logged, the worker still works."""
+    before = fake.dropped()
+    for frames in messages:
+        fake.send_raw(frames)
+    reply, out = fake.execute("print('still here'); rank + 41")
+    assert reply == {"status": "ok", "value": 41}, reply
+    assert out == "still here\n"
+    # the I/O thread logged before it handed the good request on; the log is unbuffered
+    wait_for(lambda: fake.dropped() >= before + len(messages), 10,
+             what=f"{len(messages)} 'dropped a message' warnings")
+    assert fake.dropped() == before + len(messages), fake.log()
+    if expect is not None:
+        assert expect in fake.log()
+    assert not marker.exists(), "a bad message was executed or unpickled"
+    assert fake.proc.poll() is None
+
+
+# ------------------------------------------------------------------ a worker
+def test_good_request_runs(fake, marker):
+    """The control: a correctly signed execute does create the marker."""
+    reply, _ = fake.execute(_marker_code(marker))
+    assert reply["status"] == "ok" and marker.read_text() == "ran\n"
+
+
+def test_unsigned_messages_are_dropped(fake, marker):
+    _, _, header, payload = fake.codec.encode("execute", {"code": _marker_code(marker),
+                                                          "evil": Evil(str(marker))})
+    _attack(fake, marker, [
+        [protocol.MAGIC, b"", header, payload],  # empty signature
+        [protocol.MAGIC, b"0" * 64, header, payload],  # a made-up signature
+        [protocol.MAGIC, b"not hex at all \xff", header, payload],
+    ], expect="bad message signature")
+
+
+def test_wrongly_signed_message_is_dropped_before_unpickling(fake, marker):
+    other = protocol.Codec(protocol.new_key(), "ctl")  # another mesh's key
+    frames = other.encode("execute", {"code": _marker_code(marker), "evil": Evil(str(marker))})
+    _attack(fake, marker, [frames], expect="bad message signature")
+
+
+def test_tampered_message_is_dropped(fake, marker):
+    frames = [bytes(f) for f in fake.codec.encode("execute", {"code": "None"})]
+    payload, _ = serialize.dumps({"code": _marker_code(marker)})
+    frames[3] = bytes(payload)  # the signature was made for the harmless code
+    header = json.loads(frames[2])
+    header["t"] = "stop"
+    retyped = [frames[0], frames[1], json.dumps(header).encode(), frames[3]]
+    _attack(fake, marker, [frames, retyped], expect="bad message signature")
+
+
+def test_replayed_message_runs_once(fake, marker):
+    frames = [bytes(f) for f in fake.codec.encode("execute", {"code": _marker_code(marker)})]
+    fake.send_raw(frames)
+    wait_for(marker.exists, 10, what="the first (genuine) execution")
+    _attack(fake, marker.with_name("unused"), [frames, frames], expect="replayed message id")
+    assert marker.read_text() == "ran\n", "the replayed execute ran again"
+
+
+def test_truncated_messages_are_dropped(fake, marker):
+    good = [bytes(f) for f in fake.codec.encode(
+        "execute", {"code": _marker_code(marker), "arr": np.arange(1000.0)})]
+    assert len(good) == 5  # magic, signature, header, payload, one buffer
+    _attack(fake, marker, [
+        good[:4],  # the buffer frame missing
+        good[:3],  # no payload
+        good[:2],
+        good[:1],
+        [good[0], *good[2:]],  # no signature frame
+        good[1:],  # no magic
+    ])
+
+
+def test_oversized_header_is_dropped_before_hashing_or_unpickling(fake, marker):
+    content = {"code": _marker_code(marker) + "  # " + "x" * SMALL, "evil": Evil(str(marker))}
+    frames = fake.codec.encode("execute", content)  # correctly signed, but too big
+    _attack(fake, marker, [frames], expect=f"exceeds the limit of {SMALL} bytes")
+
+
+def test_oversized_buffers_are_dropped(fake, marker):
+    content = {"code": _marker_code(marker), "evil": Evil(str(marker)),
+               "blob": np.zeros(SMALL // 8 + 1)}
+    frames = fake.codec.encode("execute", content)
+    assert len(frames) == 5
+    _attack(fake, marker, [frames], expect=f"exceed the limit of {SMALL} bytes")
+
+
+def test_garbage_frames_are_dropped(fake, marker):
+    rng = np.random.default_rng(9)
+    evil = pickle.dumps({"code": _marker_code(marker), "evil": Evil(str(marker))})
+    messages: list[list[Any]] = [
+        [b""],
+        [b"garbage"],
+        [evil],  # a bare pickle, as an old or naive protocol would send
+        [protocol.MAGIC],
+        [protocol.MAGIC, b"", b"", b""],
+        [b"MK/2", b"0" * 64, b"{}", evil],  # another protocol version
+        [rng.bytes(int(n)) for n in rng.integers(0, 300, size=7)],
+        [protocol.MAGIC, *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=5))],
+    ]
+    _attack(fake, marker, messages)
+
+
+def test_signed_but_malformed_headers_are_dropped(fake, marker):
+    """Even with the right key (a buggy sender), a bad header is a ProtocolError,
+    never a crash of the worker's I/O thread."""
+    payload = bytes(serialize.dumps({"code": _marker_code(marker)})[0])
+
+    def signed(header: Any) -> list[bytes]:
+        h = json.dumps(header).encode()
+        sig = fake.codec._sign([h, payload])
+        return [protocol.MAGIC, sig, h, payload]
+
+    base = {"t": "execute", "id": "x", "p": None, "s": "ctl", "nb": 0}
+    messages = [
+        signed({**base, "id": "m1", "t": "no-such-type"}),
+        signed({**base, "id": "m2", "t": ["execute"]}),  # unhashable type
+        signed({**base, "id": "m3", "nb": 3}),  # buffer count mismatch
+        signed({**base, "id": 4}),  # id not a string
+        signed({**base, "id": "m5", "p": ["x"]}),  # parent not a string
+        signed({**base, "id": "m6", "s": {"r": 0}}),  # sender not a string
+        signed({k: v for k, v in base.items() if k != "t"}),
+        signed(["execute", "m7"]),
+        signed("execute"),
+        [protocol.MAGIC, fake.codec._sign([b"\xff{", payload]), b"\xff{", payload],
+    ]
+    _attack(fake, marker, messages, expect="malformed message header")
+
+
+def test_default_header_limit_is_64_mib(tmp_path, marker):
+    fc = FakeController(tmp_path, limits=False)
+    try:
+        big = {"code": _marker_code(marker), "pad": b"x" * protocol.DEFAULT_MAX_HEADER,
+               "evil": Evil(str(marker))}
+        frames = fc.codec.encode("execute", big)
+        assert len(frames) == 4  # bytes stay in the pickle stream: counts toward the header
+        _attack(fc, marker, [frames], expect="exceeds the limit of 67108864 bytes")
+    finally:
+        fc.close()
+
+
+def test_worker_limits_are_configurable():
+    out = subprocess.run([sys.executable, "-m", "monarch_kernel.worker", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert "--max-header" in out.stdout and "--max-buffers" in out.stdout
+
+
+# ---------------------------------------------------------- a controller
+@pytest.fixture(scope="module")
+def mesh():
+    from monarch_kernel.procmesh import spawn_procs
+
+    m = spawn_procs(2)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.setsockopt(zmq.IDENTITY, identity)
+    s.connect(address)
+    return s
+
+
+def _controller_drops(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "monarch_kernel.controller" and "dropped a message" in r.getMessage()]
+
+
+def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
+    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
+    ctl = mesh.controller
+    req = mesh.run("import time; time.sleep(1.0); 'genuine'", [0])
+    ctx = zmq.Context()
+    try:
+        d = _dealer(ctx, ctl.address, b"r0")
+        wrong = protocol.Codec(protocol.new_key(), "r0")
+        reply = {"status": "ok", "value": "FORGED"}
+        stream = {"name": "stdout", "text": "FORGED output\n"}
+        _, _, h, p = wrong.encode("reply", reply, parent=req.id)
+        right = protocol.Codec(ctl.key, "r0")  # a signed message on the wrong connection
+        signed = right.encode("reply", reply, parent=req.id)
+        attacks = [
+            wrong.encode("reply", reply, parent=req.id),  # wrong key
+            wrong.encode("stream", stream, parent=req.id),
+            [protocol.MAGIC, b"", h, p],  # unsigned
+            [protocol.MAGIC, b"0" * 64, h, p],
+            [protocol.MAGIC, h, p],  # truncated
+            [b"garbage"],
+            [protocol.MAGIC, os.urandom(64), os.urandom(100), os.urandom(1000)],
+            signed,
+            signed,  # ... and replayed
+        ]
+        for frames in attacks:
+            d.send_multipart(frames)
+        wait_for(lambda: len(_controller_drops(caplog)) >= len(attacks), 10,
+                 what="the controller's warnings")
+        drops = _controller_drops(caplog)
+        assert len(drops) == len(attacks), drops
+        assert any("signature" in m for m in drops)
+        assert any("replayed" in m for m in drops)
+        assert any("does not match its connection" in m for m in drops)
+        assert not d.poll(200), "the attacker's connection received traffic meant for rank 0"
+        vm = mesh.collect(req, timeout=30)
+        assert list(vm.values()) == ["genuine"]
+        events = []
+        while not req.events.empty():
+            events.append(req.events.get())
+        assert not any("FORGED" in str(e) for e in events)
+        d.close(0)
+    finally:
+        ctx.destroy(linger=0)
+    assert list(mesh.collect(mesh.run("rank * 10")).values()) == [0, 10]
+
+
+def test_a_connection_claiming_a_ranks_identity_does_not_take_its_traffic(mesh, caplog):
+    """A DEALER that connects with rank 0's routing identity must not receive
+    rank 0's requests or heartbeats, nor cut rank 0 off (ROUTER_HANDOVER)."""
+    ctl = mesh.controller
+    ctx = zmq.Context()
+    try:
+        d = _dealer(ctx, ctl.address, b"r0")
+        d1 = _dealer(ctx, ctl.address, b"r1")
+        time.sleep(0.3)
+        vm = mesh.collect(mesh.run("import time; time.sleep(2.5 * 1.0); rank"), timeout=30)
+        assert list(vm.values()) == [0, 1]  # > 2 heartbeats went by meanwhile
+        got = [s.recv_multipart() for s in (d, d1) if s.poll(100)]
+        assert not got, f"an impostor received {len(got)} messages meant for a rank"
+        d.close(0)
+        d1.close(0)
+    finally:
+        ctx.destroy(linger=0)
+    assert all(ctl.ranks[r].state == "idle" for r in (0, 1))
+    assert list(mesh.collect(mesh.run("rank")).values()) == [0, 1]
+
+
+# ------------------------------------------------------ a worker's peer socket
+def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd):
+    import cloudpickle
+
+    from monarch_kernel import Actor, endpoint
+    from monarch_kernel.procmesh import spawn_procs
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Target(Actor):
+        @endpoint
+        def ping(self) -> str:
+            return "pong"
+
+    marker = tmp_path / "ran"
+    m = spawn_procs(2)  # spawned here so that its workers log into capfd
+    ctx = zmq.Context()
+    try:
+        am = m.spawn("target", Target)
+        assert list(am.ping.call().get(timeout=30).values()) == ["pong", "pong"]
+        addr = am._peers[1]
+        assert addr.startswith("tcp://127.0.0.1:")
+        d = _dealer(ctx, addr, b"attacker")
+        wrong = protocol.Codec(protocol.new_key(), "r0")
+        call = {"a": "target", "m": "ping", "args": (Evil(str(marker)),), "kwargs": {}}
+        _, _, h, p = wrong.encode("call", call)
+        attacks = [wrong.encode("call", call), [protocol.MAGIC, b"", h, p], [b"garbage"],
+                   [protocol.MAGIC, h, p]]
+        for frames in attacks:
+            d.send_multipart(frames)
+        err = ""
+
+        def logged() -> bool:
+            nonlocal err
+            err += capfd.readouterr().err
+            return err.count("dropped a peer message") >= len(attacks)
+
+        wait_for(logged, 10, what="the peer socket's warnings")
+        assert not marker.exists()
+        assert not d.poll(200)  # no answer to an attacker
+        d.close(0)
+        assert list(am.ping.call().get(timeout=30).values()) == ["pong", "pong"]
+    finally:
+        ctx.destroy(linger=0)
+        m.stop()
+
+
+# ------------------------------------------------------------- keys, files, ports
+def test_keys_are_random_per_mesh_and_never_in_argv(mesh):
+    from monarch_kernel.procmesh import spawn_procs
+
+    other = spawn_procs(1)
+    try:
+        assert len(mesh.controller.key) == len(other.controller.key) == 32
+        assert mesh.controller.key != other.controller.key
+        for m in (mesh, other):
+            key = m.controller.key
+            for pl in m.launcher.placements().values():
+                cmd = psutil.Process(pl.pid).cmdline()
+                text = " ".join(cmd)
+                assert key.hex() not in text.lower() and key.hex().upper() not in text
+                assert "MONARCH_MESH_KEY" not in text
+    finally:
+        other.stop()
+
+
+def test_key_file_of_the_slurm_launcher_is_0600(tmp_path):
+    from monarch_kernel.launchers.slurm import SlurmLauncher
+
+    la = SlurmLauncher(key_dir=str(tmp_path / "keys"))
+    path = la._write_key(protocol.new_key())
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(tmp_path / "keys").st_mode) & 0o077 == 0
+    finally:
+        os.unlink(path)
+
+
+def test_kernel_connection_file_is_0600(kernel):
+    assert stat.S_IMODE(os.stat(kernel.km.connection_file).st_mode) == 0o600
+
+
+def test_ports_bind_loopback_by_default(mesh):
+    ctl = mesh.controller
+    assert ctl.address.startswith("tcp://127.0.0.1:")
+    port = int(ctl.address.rsplit(":", 1)[1])
+    listening = [c for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert [c.laddr.ip for c in listening] == ["127.0.0.1"]
+    # no worker listens beyond loopback either (peer sockets for actors)
+    for pl in mesh.launcher.placements().values():
+        for c in psutil.Process(pl.pid).net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                assert c.laddr.ip == "127.0.0.1", c
