@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from . import protocol
+from . import protocol, shm
 from .errors import MeshFailure, ProtocolError, RemoteFailure, TransportError
 from .transport import Outbox, bind_router, inproc_pair, is_loopback
 
@@ -181,6 +181,7 @@ class Controller:
     ) -> None:
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
+        self.codec.pool = shm.Pool()
         self.heartbeat = heartbeat
         self.on_output = on_output
         self.on_event: Callable[[int, Any], None] | None = None
@@ -247,8 +248,13 @@ class Controller:
         if starting:  # being restarted: wait for it rather than send into the void
             self.wait_ready(starting, self.restart_timeout)
         mid = self.codec.new_id()
-        frames = self.codec.encode(type, content, id=mid)
+        local = all(r in self.local_ranks for r in ranks)
+        names: list[str] = []
+        frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
+                                   shm_out=names)
         req = Request(mid, ranks)
+        if names:  # remove the shared-memory files once every rank answered
+            req.add_done_callback(lambda _r, names=names: self.codec.release_shm(names))
         with self._lock:
             self.pending[req.id] = req
             for r in ranks:
@@ -546,3 +552,5 @@ class Controller:
         self._thread.join(timeout=5)
         self.outbox.close()
         self.ctx.term()
+        if self.codec.pool is not None:
+            self.codec.pool.close()

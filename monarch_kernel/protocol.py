@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import serialize
+from . import shm as _shm
 from .errors import ProtocolError
 
 __all__ = ["MAGIC", "VERSION", "TYPES", "Message", "Codec", "new_key"]
@@ -123,7 +124,8 @@ class Message:
         """
         if not self._decoded:
             try:
-                self._content = serialize.loads(self._payload, self._buffers)
+                buffers = [b.open() if isinstance(b, _ShmFrame) else b for b in self._buffers]
+                self._content = serialize.loads(self._payload, buffers)
             except Exception as e:
                 raise ProtocolError(
                     f"undecodable payload in {self.type!r} message: {e}") from e
@@ -165,6 +167,16 @@ class Codec:
         self._lock = threading.Lock()
         self._seen: set[str] = set()
         self._seen_order: collections.deque[str] = collections.deque()
+        #: reusable shared-memory files for requests to this host (set by owners)
+        self.pool: _shm.Pool | None = None
+
+    def release_shm(self, names: list[str]) -> None:
+        """Give back shared-memory files of a request whose receivers answered."""
+        for n in names:
+            if self.pool is not None and n in self.pool._busy:
+                self.pool.release(n)
+            else:
+                _shm.unlink(n)
 
     def fork(self, sender: str) -> Codec:
         """A codec with the same key and limits, a new sender name, its own
@@ -192,8 +204,24 @@ class Codec:
         content: Any = None,
         parent: str | None = None,
         id: str | None = None,
+        shm: str | None = None,
+        shm_out: list[str] | None = None,
     ) -> list[Any]:
         """Build the frames of one message.
+
+        Parameters
+        ----------
+        type : str
+            One of :data:`TYPES`.
+        content : Any
+            The payload (pickled with :func:`serialize.dumps`).
+        parent, id : str, optional
+        shm : {None, "sender", "receiver"}
+            For a receiver on this host: buffers of at least
+            :data:`shm.MIN_BYTES` go through shared memory (:mod:`.shm`), and
+            the named side removes the files (``"sender"``: the caller, with
+            the names appended to ``shm_out``, gives them back with
+            :meth:`release_shm` once the receivers answered).
 
         Returns
         -------
@@ -207,16 +235,24 @@ class Codec:
             If ``content`` cannot be pickled.
         """
         payload, buffers = serialize.dumps(content)
-        header = json.dumps(
-            {
-                "t": type,
-                "id": id or self.new_id(),
-                "p": parent,
-                "s": self.sender,
-                "nb": len(buffers),
-            },
-            separators=(",", ":"),
-        ).encode()
+        head = {"t": type, "id": id or self.new_id(), "p": parent, "s": self.sender,
+                "nb": len(buffers)}
+        if shm and buffers and _shm.available():
+            big = [i for i, b in enumerate(buffers) if b.nbytes >= _shm.MIN_BYTES]
+            if big:
+                buffers = list(buffers)
+                for i in big:
+                    sb = self.pool.put(buffers[i]) if shm == "sender" and self.pool else None
+                    if sb is not None:
+                        mode = "p"
+                    else:
+                        sb = _shm.create(buffers[i])
+                        mode = "1" if shm == "receiver" else "0"
+                    if shm_out is not None and mode != "1":
+                        shm_out.append(sb.name)
+                    buffers[i] = sb.descriptor(mode)
+                head["sh"] = big
+        header = json.dumps(head, separators=(",", ":")).encode()
         sig = self._sign([header, payload, *buffers])
         return [MAGIC, sig, header, payload, *buffers]
 
@@ -272,6 +308,19 @@ class Codec:
             )
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ProtocolError(f"malformed message header: {e}") from None
+        sh = header.get("sh") if isinstance(header, dict) else None
+        if sh is not None:
+            try:
+                if not (isinstance(sh, list) and all(type(i) is int and 0 <= i < len(buffers)
+                                                      for i in sh)):
+                    raise ValueError("bad index")
+                described = [_shm.parse(buffers[i]) for i in sh]
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ProtocolError(f"malformed shared-memory descriptor: {e}") from None
+            claimed = total + sum(d[1] for d in described)
+            if claimed > self.max_buffers:
+                raise ProtocolError(f"message buffers of {claimed} bytes exceed the limit of "
+                                    f"{self.max_buffers} bytes")
         if (not isinstance(mtype, str) or mtype not in TYPES or not isinstance(mid, str)
                 or not isinstance(sender, str) or not isinstance(parent, (str, type(None)))
                 or type(nb) is not int or nb != len(buffers)):  # noqa: E721 - bool is no count
@@ -283,10 +332,26 @@ class Codec:
             self._seen_order.append(mid)
             if len(self._seen_order) > REPLAY_WINDOW:
                 self._seen.discard(self._seen_order.popleft())
+        if sh:
+            buffers = list(buffers)
+            for i, (name, size, mode) in zip(sh, described):
+                buffers[i] = _ShmFrame(name, size, mode)
         msg = Message(mtype, mid, parent, sender, payload, identity, buffers)
         if not lazy:
             msg.content  # noqa: B018 - decode now, raising ProtocolError here
         return msg
+
+
+class _ShmFrame:
+    """A verified shared-memory descriptor, mapped when the payload is decoded."""
+
+    __slots__ = ("name", "nbytes", "mode")
+
+    def __init__(self, name: str, nbytes: int, mode: str) -> None:
+        self.name, self.nbytes, self.mode = name, nbytes, mode
+
+    def open(self) -> memoryview:
+        return _shm.open_buffer(self.name, self.nbytes, self.mode)
 
 
 def _view(frame: Any) -> memoryview:

@@ -130,12 +130,16 @@ class Worker:
     def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
         """Send a message to the controller from any thread.
 
+        Large buffers of a reply go through shared memory when the controller
+        is on this host (:mod:`monarch_kernel.shm`).
+
         Raises
         ------
         SerializationError
             If ``content`` cannot be pickled.
         """
-        self.outbox.send(self.codec.encode(type, content, parent))
+        shm = "receiver" if type == "reply" and self.controller_pid is not None else None
+        self.outbox.send(self.codec.encode(type, content, parent, shm=shm))
 
     def _on_output(self, name: str, data: bytes) -> None:
         text = self._decoders[name].decode(data)

@@ -1,0 +1,119 @@
+"""``python -m benchmarks [--json out.json] [--quick]``: the whole suite.
+
+Measures, in one run on this machine: the raw pyzmq baseline, our figures,
+and the installed peers, for N = 2 and 4 workers, plus ``%%mesh pass``
+against ``%px pass``, telemetry overhead, idle worker memory and fan-out
+growth. Prints a table; the JSON holds every figure and each of ours as a
+ratio to the raw baseline of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+from . import ours, peers, raw_zmq
+
+METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "calls_per_s", "tensor_gbps",
+           "p2p_gbps", "spawn_s"]
+LOWER_IS_BETTER = {"call_p50_us", "call_p99_us", "bcast_p50_us", "spawn_s", "cell_p50_us",
+                   "worker_rss_mb", "telemetry_cpu_pct"}
+
+
+def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+    calls = 500 if quick else 2000
+    result: dict[str, Any] = {"machine": {"python": sys.version.split()[0],
+                                          "platform": platform.platform()},
+                              "installed": peers.installed(), "n": {}}
+    for n in sizes:
+        row: dict[str, Any] = {}
+        print(f"[bench] N={n}: raw pyzmq", file=sys.stderr, flush=True)
+        row["raw_pyzmq"] = raw_zmq.measure(n, calls)
+        print(f"[bench] N={n}: monarch_kernel", file=sys.stderr, flush=True)
+        row["monarch_kernel"] = ours.measure(n, calls)
+        if result["installed"]["ipyparallel"]:
+            print(f"[bench] N={n}: ipyparallel", file=sys.stderr, flush=True)
+            try:
+                row["ipyparallel"] = peers.ipyparallel(n, calls=200 if quick else 500)
+            except Exception as e:  # noqa: BLE001 - a peer failing must not stop the suite
+                row["ipyparallel"] = {"error": f"{type(e).__name__}: {e}"}
+        ratios = {}
+        base = row["raw_pyzmq"]
+        for k, v in row["monarch_kernel"].items():
+            if k in base and base[k]:
+                ratios[k] = v / base[k]
+        row["ratio_to_raw"] = ratios
+        result["n"][str(n)] = row
+    print("[bench] cells through the kernels", file=sys.stderr, flush=True)
+    cells = 20 if quick else 40
+    result["cell_p50_us"] = {"monarch_kernel": peers.mesh_pass(2, cells)}
+    if result["installed"]["ipyparallel"]:
+        try:
+            result["cell_p50_us"]["ipyparallel_px"] = peers.px_pass(2, cells)
+            result["cell_p50_us"]["ratio_to_ipyparallel"] = (
+                result["cell_p50_us"]["monarch_kernel"] / result["cell_p50_us"]["ipyparallel_px"])
+        except Exception as e:  # noqa: BLE001
+            result["cell_p50_us"]["ipyparallel_px"] = f"error: {e}"
+    print("[bench] telemetry overhead", file=sys.stderr, flush=True)
+    from . import telemetry_overhead
+
+    tel = telemetry_overhead.measure(seconds=6 if quick else 20, ranks=2)
+    result["telemetry_cpu_pct"] = tel.get("sampler_pct_of_core")
+    result["telemetry"] = tel
+    print("[bench] fan-out", file=sys.stderr, flush=True)
+    fan = ours.fanout((1, 4, 16) if quick else (1, 4, 16, 64), calls=50 if quick else 200)
+    result["fanout"] = fan
+    if "bcast_p50_us_n64" in fan:
+        result["fanout"]["ratio_n64_to_n1"] = fan["bcast_p50_us_n64"] / fan["bcast_p50_us_n1"]
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = []
+    for n, row in result["n"].items():
+        cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel") if c in row]
+        lines.append(f"\nN = {n} workers")
+        lines.append("| metric | " + " | ".join(cols) + " | ours / raw |")
+        lines.append("|---|" + "---|" * (len(cols) + 1))
+        for m in METRICS + ["worker_rss_mb"]:
+            vals = []
+            for c in cols:
+                v = row[c].get(m) if isinstance(row[c], dict) else None
+                vals.append("-" if v is None else f"{v:,.2f}" if v < 100 else f"{v:,.0f}")
+            ratio = row["ratio_to_raw"].get(m)
+            lines.append(f"| {m} | " + " | ".join(vals) + f" | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    c = result["cell_p50_us"]
+    lines.append(f"\ncell_p50_us: %%mesh pass {c['monarch_kernel']:,.0f} us"
+                 + (f", %px pass {c['ipyparallel_px']:,.0f} us, ratio "
+                    f"{c['ratio_to_ipyparallel']:.2f}" if "ratio_to_ipyparallel" in c else ""))
+    if result.get("telemetry_cpu_pct") is not None:
+        lines.append(f"telemetry_cpu_pct: {result['telemetry_cpu_pct']:.3f} % of a core per worker")
+    fan = result["fanout"]
+    lines.append("fan-out bcast_p50_us: " + ", ".join(
+        f"N={k.split('_n')[-1]}: {v:,.0f}" for k, v in fan.items() if k.startswith("bcast")))
+    if "ratio_n64_to_n1" in fan:
+        lines.append(f"fan-out N=64 / N=1: {fan['ratio_n64_to_n1']:.1f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks")
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (about a minute)")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    result = run(quick=a.quick)
+    result["seconds"] = time.time() - t0
+    print(table(result))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Our figures: actor calls, tensors, spawn, memory, fan-out, through the API
+users call (``spawn_procs``, actor endpoints and their adverbs)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import cloudpickle
+import psutil
+
+import benchmarks.ours as _self
+from monarch_kernel import Actor, endpoint
+from monarch_kernel.procmesh import spawn_procs
+
+from .stats import latencies_us, p50, p99
+
+cloudpickle.register_pickle_by_value(_self)  # workers need not import this file
+
+MiB = 1 << 20
+
+
+class Bench(Actor):
+    """A no-op endpoint, a sum, and a worker-to-worker transfer."""
+
+    @endpoint
+    def noop(self) -> None:
+        return None
+
+    @endpoint
+    def sum(self, t: Any) -> float:
+        return float(t.sum())
+
+    @endpoint
+    def send_to(self, other: Any, nbytes: int) -> float:
+        import torch
+
+        t = torch.ones(nbytes // 4)
+        other.sum.call_one(t).get()  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            other.sum.call_one(t).get()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+
+def measure(n: int, calls: int = 2000, big: bool = True, telemetry: float = 1.0
+            ) -> dict[str, float]:
+    """Our figures for ``n`` local workers."""
+    t0 = time.perf_counter()
+    procs = spawn_procs(n, telemetry_interval=telemetry)
+    actors = procs.spawn("bench", Bench)
+    actors.noop.call().get()
+    spawn_s = time.perf_counter() - t0
+    try:
+        one = actors.slice(procs=0)
+        lat = latencies_us(lambda: one.noop.call_one().get(), calls)
+        out: dict[str, float] = {
+            "call_p50_us": p50(lat), "call_p99_us": p99(lat),
+            "bcast_p50_us": p50(latencies_us(lambda: actors.noop.call().get(),
+                                             max(200, calls // 4))),
+            "spawn_s": spawn_s,
+        }
+        best = 0.0
+        for _ in range(3):
+            t1 = time.perf_counter()
+            futures = [one.noop.call_one() for _ in range(1000)]
+            for f in futures:
+                f.get()
+            best = max(best, 1000 / (time.perf_counter() - t1))
+        out["calls_per_s"] = best
+        rss = [psutil.Process(procs.controller.ranks[r].pid).memory_info().rss
+               for r in procs.ranks]
+        out["worker_rss_mb"] = sum(rss) / len(rss) / MiB
+        if big:
+            import torch
+
+            t = torch.ones(64 * MiB // 4)
+            one.sum.call_one(t).get()
+            best = 0.0
+            for _ in range(3):
+                t1 = time.perf_counter()
+                one.sum.call_one(t).get()
+                best = max(best, 64 * MiB / (time.perf_counter() - t1) / 1e9)
+            out["tensor_gbps"] = best
+            if n >= 2:
+                secs = one.send_to.call_one(actors.slice(procs=1), 64 * MiB).get()
+                out["p2p_gbps"] = 64 * MiB / secs / 1e9
+        return out
+    finally:
+        procs.stop()
+
+
+def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[str, float]:
+    """``bcast_p50_us`` for meshes of lightweight workers (telemetry off)."""
+    out = {}
+    for n in sizes:
+        procs = spawn_procs(n, telemetry_interval=0, timeout=300)
+        try:
+            actors = procs.spawn("bench", Bench)
+            out[f"bcast_p50_us_n{n}"] = p50(
+                latencies_us(lambda: actors.noop.call().get(), calls, warmup=20))
+        finally:
+            procs.stop()
+    return out

@@ -1,0 +1,236 @@
+"""The same-host data plane: large buffers through shared memory.
+
+Between processes on one host, a large buffer (a tensor's or an array's
+bytes, at least :data:`MIN_BYTES`) is not pushed through a TCP socket: the
+sender copies it once into a fresh POSIX shared-memory file
+(``/dev/shm/monarch-<random>``, mode 0600) and the message carries only its
+name and size (signed like the rest of the message). The receiver maps the
+file copy-on-write (``MAP_PRIVATE``, pre-faulted with ``MAP_POPULATE``) and
+rebuilds the array on that mapping without another copy; several receivers
+of one broadcast map the same file, and a receiver's writes stay its own.
+
+Who removes the file: for a request, the sender, once every receiver has
+answered (the receivers mapped it before answering); for a reply, the
+receiver, right after mapping it. Files a process created and never saw
+removed are removed when it exits.
+
+Fresh files cost page faults on both sides (about as much as the copy
+itself), so a sender that sends requests keeps a :class:`Pool` of files it
+reuses once a request is answered; the receiver keeps those files mapped
+and copies the bytes out into memory of its own while decoding (one copy
+on each side, no socket, no hashing of the bytes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import secrets
+import threading
+from typing import Any
+
+__all__ = ["MIN_BYTES", "ShmBuffer", "create", "open_buffer", "unlink", "NAME_RE"]
+
+#: buffers at least this large travel through shared memory on one host
+MIN_BYTES = 1 << 20
+DIRECTORY = "/dev/shm"
+NAME_RE = re.compile(r"^monarch-[0-9a-f]{24}$")
+
+_created: set[str] = set()
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """True where POSIX shared memory (``/dev/shm``) can be used."""
+    return os.path.isdir(DIRECTORY) and os.access(DIRECTORY, os.W_OK)
+
+
+class ShmBuffer:
+    """A buffer copied into a shared-memory file (the sender's side)."""
+
+    __slots__ = ("name", "nbytes")
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self.name = name
+        self.nbytes = nbytes
+
+    def descriptor(self, mode: str) -> bytes:
+        """The frame that stands for the buffer in a message: ``mode`` is "1"
+        (the receiver removes the file), "0" (the sender does) or "p" (a pooled
+        file: the receiver copies the bytes out and leaves the file)."""
+        return f"{self.name}:{self.nbytes}:{mode}".encode()
+
+
+class Pool:
+    """Reusable shared-memory files of a sender (at most ``max_bytes`` in all).
+
+    :meth:`put` copies a buffer into a free file (a new one if none fits);
+    :meth:`release` returns files once the receivers have copied them.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[tuple[str, int, mmap.mmap]] = []
+        self._busy: dict[str, tuple[str, int, mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def _total(self) -> int:
+        return sum(s for _, s, _ in self._free) + sum(s for _, s, _ in self._busy.values())
+
+    def put(self, view: memoryview) -> ShmBuffer | None:
+        """Copy ``view`` into a pooled file; None when the pool is full."""
+        n = view.nbytes
+        src = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        with self._lock:
+            fit = [f for f in self._free if f[1] >= n]
+            if fit:
+                seg = min(fit, key=lambda f: f[1])
+                self._free.remove(seg)
+            else:
+                if self._total() + n > self.max_bytes:
+                    return None
+                seg = None
+        if seg is None:
+            name = f"monarch-{secrets.token_hex(12)}"
+            fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                         0o600)
+            with _lock:
+                _created.add(name)
+            try:
+                os.ftruncate(fd, n)
+                mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+            seg = (name, n, mm)
+        seg[2][:n] = src
+        with self._lock:
+            self._busy[seg[0]] = seg
+        return ShmBuffer(seg[0], n)
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            seg = self._busy.pop(name, None)
+            if seg is not None:
+                self._free.append(seg)
+
+    def close(self) -> None:
+        with self._lock:
+            segs = [*self._free, *self._busy.values()]
+            self._free, self._busy = [], {}
+        for name, _, mm in segs:
+            mm.close()
+            unlink(name)
+
+
+def create(view: memoryview) -> ShmBuffer:
+    """Copy ``view`` into a new shared-memory file.
+
+    Raises
+    ------
+    OSError
+        If the file cannot be created or filled (``/dev/shm`` full, ...).
+    """
+    name = f"monarch-{secrets.token_hex(12)}"
+    path = os.path.join(DIRECTORY, name)
+    n = view.nbytes
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    with _lock:
+        _created.add(name)
+    try:
+        os.ftruncate(fd, n)
+        with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as mm:
+            mm[:] = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    os.close(fd)
+    return ShmBuffer(name, n)
+
+
+def parse(frame: memoryview) -> tuple[str, int, bool]:
+    """``(name, nbytes, receiver_unlinks)`` from a descriptor frame.
+
+    Raises
+    ------
+    ValueError
+        For anything that is not a well-formed descriptor of our own files.
+    """
+    text = bytes(frame[:128]).decode("ascii")
+    name, size, flag = text.split(":")
+    if not NAME_RE.match(name) or flag not in ("0", "1", "p") or not size.isdigit():
+        raise ValueError(f"bad shared-memory descriptor {text!r}")
+    return name, int(size), flag
+
+
+_maps: dict[str, mmap.mmap] = {}  # pooled files of senders, kept mapped (LRU)
+_MAX_MAPS = 16
+
+
+def open_buffer(name: str, nbytes: int, mode: str) -> memoryview:
+    """The bytes of a shared-memory file, for the receiver.
+
+    ``mode`` "p" (pooled): copied out of a cached mapping into new memory. Otherwise the file is mapped copy-on-write and the view
+    keeps the mapping alive; with "1" the file is removed at once.
+
+    Raises
+    ------
+    OSError
+        If the file is gone or smaller than ``nbytes``.
+    """
+    if mode == "p":
+        with _lock:
+            mm = _maps.pop(name, None)
+        if mm is None or len(mm) < nbytes:
+            fd = os.open(os.path.join(DIRECTORY, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                size = os.fstat(fd).st_size
+                if size < nbytes:
+                    raise OSError(f"shared-memory file {name} is smaller than {nbytes} bytes")
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        try:
+            import numpy as np  # its copy is several times faster than bytearray's
+
+            return memoryview(np.frombuffer(mm, np.uint8, count=nbytes).copy())
+        finally:
+            with _lock:
+                _maps[name] = mm
+                while len(_maps) > _MAX_MAPS:
+                    _maps.pop(next(iter(_maps))).close()
+    unlink_after = mode == "1"
+    path = os.path.join(DIRECTORY, name)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            raise OSError(f"shared-memory file {name} is smaller than {nbytes} bytes")
+        if nbytes == 0:
+            return memoryview(b"")
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        if unlink_after:
+            unlink(name)
+    return memoryview(mm)
+
+
+def unlink(name: str) -> None:
+    """Remove a shared-memory file (no error if it is already gone)."""
+    with _lock:
+        _created.discard(name)
+    try:
+        os.unlink(os.path.join(DIRECTORY, name))
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _cleanup() -> None:
+    for name in list(_created):
+        unlink(name)
+
+
