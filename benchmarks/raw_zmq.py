@@ -28,6 +28,7 @@ def worker(addr: str, ident: str) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
+    s.sndhwm = s.rcvhwm = 0  # pipelined bursts must not be dropped at the HWM
     s.identity = ident.encode()
     s.connect(addr)
     peer = ctx.socket(zmq.ROUTER)
@@ -81,6 +82,7 @@ class RawMesh:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.linger = 0
+        self.router.sndhwm = self.router.rcvhwm = 0  # ROUTER drops at the HWM otherwise
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         addr = f"tcp://127.0.0.1:{port}"
         self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.raw_zmq", "worker",

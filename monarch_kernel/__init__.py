@@ -25,6 +25,7 @@ _EXPORTS = {
     "HostMesh": "procmesh",
     "Actor": "actor", "ActorMesh": "actor", "endpoint": "actor", "Future": "actor",
     "current_rank": "actor", "current_size": "actor",
+    "Ref": "tensors", "device_mesh": "tensor_store",
     "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
     "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
     "SerializationError": "errors", "TransportError": "errors",

@@ -31,7 +31,8 @@ Adverbs of an endpoint (Monarch's names): ``call`` (every actor ->
 ``Future[value]``), ``choose`` (the least busy actor: fewest calls in flight
 from this caller), ``broadcast`` (no result; a failure is printed and kept
 in :attr:`ActorMesh.broadcast_failures`), ``stream`` (one future per actor,
-in completion order).
+in completion order); and ``rref`` (every actor; the results stay on the
+ranks and the caller gets a handle, :class:`monarch_kernel.tensors.Ref`).
 
 Semantics: messages from one sender to one actor arrive in order; an actor
 handles one message at a time, on its own thread (async endpoints run on
@@ -300,8 +301,11 @@ class ActorMesh(Generic[A]):
 
     # -------------------------------------------------------------- sending
     def _send(self, ranks: list[int], method: str, args: tuple, kwargs: dict,
-              oneway: bool) -> Request | None:
-        """Send one call to ``ranks``; the Request that collects the replies."""
+              oneway: bool, keep: str | None = None) -> Request | None:
+        """Send one call to ``ranks``; the Request that collects the replies.
+
+        ``keep``: the ranks keep the results under this id (``Endpoint.rref``).
+        """
         rec = self._record
         for r in ranks:
             cause = rec.stopped.get(r)
@@ -313,6 +317,8 @@ class ActorMesh(Generic[A]):
         }
         if oneway:
             content["o"] = True
+        if keep:
+            content["k"] = keep
         if has_code(args, kwargs):
             content["s"] = sources_for([*args, *kwargs.values()])
         w = _current_worker()
@@ -337,11 +343,11 @@ class ActorMesh(Generic[A]):
         return ctl.request(ranks, "call", content)
 
     def _future(self, ranks: list[int], method: str, args: tuple, kwargs: dict,
-                finish: Callable[[Request], Any]) -> Future[Any]:
+                finish: Callable[[Request], Any], keep: str | None = None) -> Future[Any]:
         """Send a call and return the Future that ``finish(request)`` completes."""
         rec = self._record
         try:
-            req = self._send(ranks, method, args, kwargs, False)
+            req = self._send(ranks, method, args, kwargs, False, keep)
         except MeshFailure as e:
             return Future.failed(e)
         assert req is not None
@@ -351,7 +357,9 @@ class ActorMesh(Generic[A]):
         fut: Future[Any] = Future(pump=_Output(req) if _current_worker() is None else None,
                                   guard=_self_call_guard(rec, ranks))
 
-        def done(q: Request) -> None:
+        def done(q: Request, pinned: tuple = (args, kwargs)) -> None:
+            # ``pinned``: handles (tensors.Ref) among the arguments stay alive, so their
+            # values stay on the ranks, until the call is done
             with rec.lock:
                 for r in ranks:
                     rec.inflight[r] -= 1
@@ -466,6 +474,21 @@ class Endpoint:
             If an actor is already stopped or its process is dead.
         """
         self._mesh._send(self._mesh.shape.ranks, self._name, args, kwargs, True)
+
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        """Call every actor and keep the results on the ranks: returns a handle to
+        them (:class:`monarch_kernel.tensors.Ref`); only metadata comes back.
+
+        Waits for the calls (from the controller only).
+
+        Raises
+        ------
+        ActorError
+            If an actor raised (the values kept by the others are dropped).
+        """
+        from .tensors import rref_call
+
+        return rref_call(self, args, kwargs)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         """Call every actor; return an iterator of one future per actor, in completion

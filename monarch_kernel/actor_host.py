@@ -43,6 +43,7 @@ from typing import Any
 import zmq
 
 from . import serialize, telemetry
+from . import shm as _shm
 from .controller import Request
 from .errors import MeshFailure, ProtocolError, SerializationError
 from .mesh import Point, Shape
@@ -192,6 +193,10 @@ class _ActorInstance:
                     f"{method!r}"
                 )
             value = self._run_maybe_async(fn(*args, **kwargs))
+            if "k" in c:  # .rref(): the value stays here; only its description goes back
+                from .tensor_store import keep
+
+                value = keep(c["k"], value)
             try:
                 status, out = "ok", Packed.pack(value)
             except SerializationError as e:
@@ -365,6 +370,7 @@ class PeerHost:
         self.worker = worker
         self.rank = worker.rank
         self.codec = worker.codec.fork(f"r{worker.rank}")
+        self.codec.pool = _shm.Pool()
         self.ctx = worker.ctx
         secret = None
         public = b""
@@ -399,10 +405,18 @@ class PeerHost:
             if failure is not None:
                 raise failure
         mid = self.codec.new_id()
-        frames = self.codec.encode("call", content, id=mid)
+        names: list[str] = []
+        # same host (the peers bind the same address as this worker): large buffers go
+        # through shared memory (monarch_kernel.shm), given back once every peer answered
+        here = _addr_host(self.address)
+        local = not oneway and all(_addr_host(peers[r]) == here for r in ranks)
+        frames = self.codec.encode("call", content, id=mid, shm="sender" if local else None,
+                                   shm_out=names)
         req = None
         if not oneway:
             req = Request(mid, ranks)
+            if names:
+                req.add_done_callback(lambda _r: self.codec.release_shm(names))
             with self._lock:
                 self.pending[mid] = req
         for r in ranks:
@@ -513,6 +527,11 @@ class PeerHost:
                 self.pending.pop(req.id, None)
         if finished:
             req._finish()  # completes the caller's future (outside the lock)
+
+
+def _addr_host(address: str) -> str:
+    """``tcp://10.0.0.2:5555|KEY`` -> ``10.0.0.2``."""
+    return address.split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]
 
 
 def actor_point() -> tuple[Point, dict[str, int]] | None:

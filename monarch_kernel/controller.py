@@ -83,7 +83,7 @@ class Request:
         Per rank: ``("ok", value)`` or ``("error", failure dict)``.
     events : queue.Queue
         ``("stream", rank, name, text)`` and ``("display", rank, content)``
-        tuples, in arrival order, while the request runs.
+        tuples, in arrival order, while the request runs; ``("done",)`` last.
     failure : MeshFailure or None
         Set when a rank died before replying.
     """
@@ -118,6 +118,7 @@ class Request:
             if self._done.is_set():
                 return
             self._done.set()
+            self.events.put(("done",))  # wakes whoever waits on the events
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             try:

@@ -229,6 +229,19 @@ class ProcMesh:
 
         return spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
+    def ref(self, name: str) -> Any:
+        """A handle to variable ``name`` of every rank of this mesh; the values stay on
+        the ranks (see :class:`monarch_kernel.tensors.Ref`).
+
+        Raises
+        ------
+        RemoteError
+            (also a NameError) if a rank has no such variable.
+        """
+        from .tensors import ref_of
+
+        return ref_of(self, name)
+
     def dashboard(self, interval: float = 1.0, history: float = 60.0, layout: str = "auto"
                   ) -> Any:
         """A live ipywidgets dashboard of this mesh's ranks (CPU, memory, GPU).
@@ -311,7 +324,7 @@ def show_output(req: Request, timeout: float | None = None) -> bool:
         while True:
             done = req.done()
             try:
-                ev = req.events.get(timeout=0.02)
+                ev = req.events.get_nowait() if done else req.events.get(timeout=0.02)
             except queue.Empty:
                 printer.flush_lines()
                 if done:

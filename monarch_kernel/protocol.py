@@ -66,6 +66,8 @@ TYPES = frozenset(
         "call",  # {actor, method, args, kwargs}: an endpoint call
         "stop_actor",  # {name}
         "debug_input",  # {session, line}: a pdb command line (None: release the session)
+        "ref",  # {op, id, ...}: values kept on the ranks for handles (tensor_store.py)
+        "free",  # {ids}: one-way, drop those kept values (tensor_store.py)
         # both ways
         "heartbeat",
     }

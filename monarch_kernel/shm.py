@@ -229,7 +229,8 @@ def unlink(name: str) -> None:
 
 
 @atexit.register
-def _cleanup() -> None:
+def cleanup() -> None:
+    """Remove every shared-memory file this process created and still owns."""
     for name in list(_created):
         unlink(name)
 

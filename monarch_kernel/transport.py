@@ -64,6 +64,9 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # no high-water mark: a burst of pipelined calls must neither be dropped nor block
+    # the I/O thread (which would stop it draining replies: a deadlock)
+    sock.sndhwm = sock.rcvhwm = 0
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if curve_secret_key is not None:
         sock.curve_secretkey = curve_secret_key
@@ -93,6 +96,7 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes,
     """
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    sock.sndhwm = sock.rcvhwm = 0  # see bind_router
     sock.setsockopt(zmq.IDENTITY, identity)
     if curve_server_key is not None:
         public, secret = zmq.curve_keypair()

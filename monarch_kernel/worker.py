@@ -190,13 +190,13 @@ class Worker:
                     self.dealer.send_multipart(self.codec.encode("heartbeat"), copy=False)
                     if not self._controller_alive():
                         log.warning("rank %d: the controller process is gone; exiting", self.rank)
-                        os._exit(0)
+                        _exit(0)
                 if now - last_heard > self.heartbeat_timeout:
                     log.warning(
                         "rank %d: no word from the controller for %.1f s; exiting",
                         self.rank, now - last_heard,
                     )
-                    os._exit(0)
+                    _exit(0)
         finally:
             self.dealer.close(0)
             self.pull.close(0)
@@ -228,6 +228,11 @@ class Worker:
             from .debug import server as debug_server
 
             debug_server.deliver(msg.content)
+            return
+        if msg.type == "free":  # handles gone on the controller: drop their kept values
+            from . import tensor_store
+
+            tensor_store.free(msg.content["ids"])
             return
         self.requests.put(msg)
 
@@ -402,6 +407,9 @@ class Worker:
             )
             self.namespace.setdefault("dist", dist)
             self.namespace.setdefault("torch", torch)
+            from . import tensor_store  # the mesh's named dimensions as a DeviceMesh
+
+            self.namespace["device_mesh"] = tensor_store.init_device_mesh(self.shape, backend)
 
     def _do_stop(self, content: Any) -> None:
         dist = sys.modules.get("torch.distributed")
@@ -421,12 +429,27 @@ class Worker:
 
         actor.stop_local(self, content["name"])
 
+    def _do_ref(self, content: dict[str, Any]) -> Any:
+        from . import tensor_store
+
+        return tensor_store.handle(self, content)  # values kept for handles (tensors.py)
+
     def shutdown(self) -> None:
         """Flush what is queued and close the connection."""
         if self.capture is not None:
             self.capture.drain()
         self.stopping.set()
         self.io_thread.join(timeout=2)
+
+
+def _exit(code: int) -> None:
+    """Leave the process now (no atexit handlers), removing its shared-memory files."""
+    from . import shm
+
+    try:
+        shm.cleanup()
+    finally:
+        os._exit(code)
 
 
 def _type_name(obj: Any) -> str:
@@ -522,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     display.install()
     code = w.serve()
     w.shutdown()
-    os._exit(code)
+    _exit(code)
 
 
 if __name__ == "__main__":

@@ -179,3 +179,56 @@ def test_flood_of_4_ranks_every_line_once_in_order_and_kernel_answers(k4):
     print(f"flood: {4 * n} lines in {elapsed:.1f} s, {len(r.messages)} iopub messages; "
           f"kernel_info on control: max {max(latencies) * 1000:.0f} ms, "
           f"mean {sum(latencies) / len(latencies) * 1000:.0f} ms over {len(latencies)}")
+
+
+# ------------------------------------------- rich display and progress bars (lead's features)
+def _displays(r, kind: str = "display_data") -> list[dict]:
+    return [m["content"] for _, m in r.messages if m["msg_type"] == kind]
+
+
+def test_rich_display_from_ranks_is_tagged_by_rank(k4):
+    r = k4.execute("%%mesh\nfrom IPython.display import display, HTML\n"
+                   "display(HTML(f'<b>{rank}</b>'))\nprint('after', rank)")
+    assert r.status == "ok", r.error_text()
+    shown = _displays(r)
+    assert sorted((d["metadata"]["monarch_rank"], d["data"]["text/html"]) for d in shown) == [
+        (k, f"<b>{k}</b>") for k in range(4)]
+    assert "[0] after 0" in r.stream("stdout")
+
+
+def test_matplotlib_figure_from_a_rank_arrives_as_png(k4):
+    pytest.importorskip("matplotlib")
+    r = k4.execute("%%mesh --ranks 2\nimport matplotlib.pyplot as plt\n"
+                   "fig, ax = plt.subplots()\nax.plot([1, 3, 2])\nplt.show()", timeout=120)
+    assert r.status == "ok", r.error_text()
+    shown = _displays(r)
+    assert len(shown) == 1 and shown[0]["metadata"]["monarch_rank"] == 2
+    import base64
+
+    png = base64.b64decode(shown[0]["data"]["image/png"])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_tqdm_progress_bars_of_4_ranks_update_in_place(k4):
+    pytest.importorskip("tqdm")
+    n = 300
+    r = k4.execute("%%mesh\nimport time\nfrom tqdm import tqdm\n"
+                   f"for i in tqdm(range({n}), mininterval=0.05):\n    time.sleep(0.005)\n"
+                   "print('done', rank)", timeout=120)
+    assert r.status == "ok", r.error_text()
+    first = _displays(r)
+    updates = _displays(r, "update_display_data")
+    assert sorted(d["metadata"]["monarch_rank"] for d in first) == [0, 1, 2, 3]
+    ids = {d["metadata"]["monarch_rank"]: d["transient"]["display_id"] for d in first}
+    assert len(set(ids.values())) == 4  # one display per rank, each updated in place
+    assert len(updates) >= 4
+    for u in updates:
+        assert u["transient"]["display_id"] == ids[u["metadata"]["monarch_rank"]]
+    for rank in range(4):
+        last = [u for u in updates if u["metadata"]["monarch_rank"] == rank][-1]
+        assert f"{n}/{n}" in last["data"]["text/plain"] and last["data"]["text/plain"].startswith(
+            f"[{rank}]")
+    streamed = r.stream()
+    assert "it/s" not in streamed and "%|" not in streamed, streamed[:500]  # no bar in streams
+    assert sorted(streamed.splitlines()) == [f"[{k}] done {k}" for k in range(4)]
+    print(f"tqdm: {len(first)} displays, {len(updates)} in-place updates for 4 x {n} steps")

@@ -370,6 +370,19 @@ def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
     assert list(mesh.collect(mesh.run("rank * 10")).values()) == [0, 10]
 
 
+def test_oversized_message_to_the_controller_is_dropped(mesh, caplog):
+    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
+    ctx = zmq.Context()
+    try:
+        d = _dealer(ctx, mesh.controller.address, b"r1")
+        d.send_multipart([protocol.MAGIC, b"0" * 64, b"{}", b"x" * protocol.DEFAULT_MAX_HEADER])
+        wait_for(lambda: _controller_drops(caplog), 20, what="the controller's warning")
+        assert "exceeds the limit of 67108864 bytes" in _controller_drops(caplog)[0]
+    finally:
+        ctx.destroy(linger=0)
+    assert list(mesh.collect(mesh.run("rank")).values()) == [0, 1]
+
+
 def test_a_connection_claiming_a_ranks_identity_does_not_take_its_traffic(mesh, caplog):
     """A DEALER that connects with rank 0's routing identity must not receive
     rank 0's requests or heartbeats, nor cut rank 0 off (ROUTER_HANDOVER)."""
@@ -469,6 +482,27 @@ def test_key_file_of_the_slurm_launcher_is_0600(tmp_path):
         os.unlink(path)
 
 
+def test_shared_memory_files_are_0600():
+    from monarch_kernel import shm
+
+    if not shm.available():
+        pytest.skip("no /dev/shm here")
+    buf = shm.create(memoryview(b"x" * 8192))
+    try:
+        path = os.path.join(shm.DIRECTORY, buf.name)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        shm.unlink(buf.name)
+    pool = shm.Pool()
+    try:
+        pooled = pool.put(memoryview(b"y" * (1 << 20)))
+        if pooled is not None:
+            path = os.path.join(shm.DIRECTORY, pooled.name)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        pool.close()
+
+
 def test_kernel_connection_file_is_0600(kernel):
     assert stat.S_IMODE(os.stat(kernel.km.connection_file).st_mode) == 0o600
 
@@ -485,3 +519,166 @@ def test_ports_bind_loopback_by_default(mesh):
         for c in psutil.Process(pl.pid).net_connections(kind="tcp"):
             if c.status == psutil.CONN_LISTEN:
                 assert c.laddr.ip == "127.0.0.1", c
+
+
+# --------------------------------------- beyond loopback: CurveZMQ (issue 9, lead's feature)
+class LoopbackSniffer:
+    """Records the TCP payload bytes of one port seen on the ``lo`` interface
+    (an AF_PACKET socket: needs root). Traffic between two addresses of this
+    host, e.g. to the eth0 address, goes over ``lo`` too."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import threading
+
+        self.port = port
+        self.data = bytearray()
+        self.packets = 0
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import struct
+
+        while not self._stop.is_set():
+            try:
+                pkt = self.sock.recv(1 << 18)
+            except OSError:
+                continue
+            if len(pkt) < 34 or pkt[12:14] != b"\x08\x00" or pkt[23] != 6:  # IPv4, TCP
+                continue
+            ihl = (pkt[14] & 0x0F) * 4
+            tcp = pkt[14 + ihl:]
+            sport, dport = struct.unpack("!HH", tcp[:4])
+            if self.port in (sport, dport):
+                self.packets += 1
+                self.data += tcp[(tcp[12] >> 4) * 4:]
+
+    def stop(self) -> bytes:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+        return bytes(self.data)
+
+
+def _non_loopback_address() -> str:
+    from monarch_kernel.netaddr import primary_address
+    from monarch_kernel.transport import is_loopback
+
+    addr = primary_address()
+    if is_loopback(addr):
+        pytest.skip("this machine has no address beyond loopback")
+    return addr
+
+
+def _sniff_a_cell(m, token: str) -> tuple[bytes, int]:
+    """Run a cell that prints ``token`` while sniffing the controller's port."""
+    try:
+        sniffer = LoopbackSniffer(int(m.controller.address.rsplit(":", 1)[1]))
+    except PermissionError:
+        pytest.skip("sniffing lo needs root (AF_PACKET)")
+    try:
+        vm = m.collect(m.run(f"print('{token}', rank); '{token}-result'"))
+        assert list(vm.values()) == [f"{token}-result"] * len(m)
+        time.sleep(0.3)
+    finally:
+        data = sniffer.stop()
+    return data, sniffer.packets
+
+
+def test_beyond_loopback_traffic_is_encrypted(capfd):
+    """bind=<eth0 address>: the ROUTER is a CurveZMQ server, the workers are
+    CURVE clients, and a sniffer on the wire sees none of the code, output or
+    results; with encrypt=False the same sniffer sees them in clear (so it does
+    look at the right traffic), and a warning says so."""
+    import secrets
+
+    from monarch_kernel.procmesh import spawn_procs
+
+    addr = _non_loopback_address()
+    token = "tok" + secrets.token_hex(8)
+    m = spawn_procs(2, bind=addr)
+    try:
+        ctl = m.controller
+        assert ctl.address.startswith(f"tcp://{addr}:")
+        assert ctl.curve_public_key is not None
+        assert ctl.router.getsockopt(zmq.CURVE_SERVER) == 1
+        for pl in m.launcher.placements().values():
+            cmd = psutil.Process(pl.pid).cmdline()
+            assert cmd[cmd.index("--curve-server-key") + 1] == ctl.curve_public_key.decode()
+        data, packets = _sniff_a_cell(m, token)
+        assert packets > 0
+        assert token.encode() not in data, "mesh traffic beyond loopback travels in clear"
+        assert b"MK/1" not in data and b'"t":"execute"' not in data
+    finally:
+        m.stop()
+    assert "NOT encrypted" not in capfd.readouterr().err
+
+    m = spawn_procs(2, bind=addr, encrypt=False)
+    try:
+        err = capfd.readouterr().err
+        assert "warning" in err and "NOT encrypted" in err and addr in err, err
+        assert m.controller.curve_public_key is None
+        assert m.controller.router.getsockopt(zmq.CURVE_SERVER) == 0
+        data, _ = _sniff_a_cell(m, token)
+        assert token.encode() in data and b"MK/1" in data  # the control: clear text is seen
+    finally:
+        m.stop()
+
+
+def test_loopback_is_not_encrypted_by_default(mesh):
+    assert mesh.controller.curve_public_key is None
+    assert mesh.controller.router.getsockopt(zmq.CURVE_SERVER) == 0
+
+
+def test_encrypted_controller_refuses_plain_and_wrongly_keyed_clients(caplog):
+    """A plain (NULL mechanism) client never gets through the CURVE handshake; a
+    CURVE client that knows the server's public key (it is on the workers' command
+    line) gets through, but without the mesh key its messages are dropped."""
+    from monarch_kernel.procmesh import spawn_procs
+
+    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
+    m = spawn_procs(1, bind=_non_loopback_address())
+    ctx = zmq.Context()
+    try:
+        ctl = m.controller
+        wrong = protocol.Codec(protocol.new_key(), "r0")
+        plain = _dealer(ctx, ctl.address, b"r0")
+        plain.send_multipart(wrong.encode("reply", {"status": "ok", "value": "FORGED"}))
+        curve = ctx.socket(zmq.DEALER)
+        curve.linger = 0
+        curve.setsockopt(zmq.IDENTITY, b"r0")
+        curve.curve_serverkey = ctl.curve_public_key
+        curve.curve_publickey, curve.curve_secretkey = zmq.curve_keypair()
+        curve.connect(ctl.address)
+        curve.send_multipart(wrong.encode("stream", {"name": "stdout", "text": "FORGED\n"}))
+        wait_for(lambda: _controller_drops(caplog), 10, what="the forged CURVE message dropped")
+        time.sleep(0.5)
+        drops = _controller_drops(caplog)
+        assert len(drops) == 1 and "signature" in drops[0], drops  # the plain one never arrived
+        assert not plain.poll(100) and not curve.poll(100)
+        assert list(m.collect(m.run("rank + 1")).values()) == [1]
+    finally:
+        ctx.destroy(linger=0)
+        m.stop()
+
+
+def test_wildcard_bind_listens_everywhere_encrypted():
+    from monarch_kernel.procmesh import spawn_procs
+
+    m = spawn_procs(2, bind="0.0.0.0")
+    try:
+        ctl = m.controller
+        port = int(ctl.address.rsplit(":", 1)[1])
+        listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening == ["0.0.0.0"]
+        assert ctl.curve_public_key is not None
+        assert ctl.router.getsockopt(zmq.CURVE_SERVER) == 1
+        assert list(m.collect(m.run("rank")).values()) == [0, 1]
+    finally:
+        m.stop()

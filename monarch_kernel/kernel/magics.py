@@ -41,6 +41,8 @@ USAGE = """\
 %%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
 %mesh push NAME [NAME ...]                   copy notebook variables to every rank
 x = %mesh pull NAME                          a ValueMesh of NAME from every rank
+r = %mesh ref NAME                           a handle to NAME; the values stay on the ranks
+%mesh show REF|NAME [--values K]             per rank: type, shape, dtype, device, K values
 %mesh status                                 rank, host, pid, state, cpu, memory, gpu
 %mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
 %mesh restart RANKS                          replace ranks with fresh processes
@@ -306,6 +308,39 @@ class MeshMagics(Magics):
             out.append(ValueMesh(vm.shape, [v[0] for v in vm.values()]))
         return out[0] if len(out) == 1 else tuple(out)
 
+    def _cmd_ref(self, argv: list[str]) -> Any:
+        if len(argv) != 1 or not argv[0].isidentifier():
+            raise UsageError("%mesh ref: name one variable of the ranks, e.g.  r = %mesh ref x")
+        m = self.current_mesh()
+        try:
+            return m.ref(argv[0])
+        except NameError as e:
+            first = (str(e).splitlines() or [repr(e)])[0]
+            raise UsageError(f"%mesh ref: {first}; define {argv[0]} on the ranks first "
+                             "(in a %%mesh cell)") from None
+
+    def _cmd_show(self, argv: list[str]) -> Any:
+        p = _parser("show")
+        p.add_argument("target")
+        p.add_argument("--values", type=int, default=6)
+        a = p.parse_args(argv)
+        if a.values < 0:
+            raise UsageError("%mesh show: --values must be 0 or more")
+        from ..tensors import Ref, show
+
+        target = self.shell.user_ns.get(a.target)
+        if not isinstance(target, Ref):
+            if not a.target.isidentifier():
+                raise UsageError(f"%mesh show: {a.target!r} is neither a handle nor a "
+                                 "variable name; e.g.  %mesh show r")
+            target = a.target
+        try:
+            return show(self.current_mesh(), target, a.values)
+        except NameError as e:
+            first = (str(e).splitlines() or [repr(e)])[0]
+            raise UsageError(f"%mesh show: {first} on the ranks (nor is it a handle in the "
+                             "notebook)") from None
+
     def _cmd_debug(self, argv: list[str]) -> None:
         debug_command(self, argv)
 
@@ -344,6 +379,9 @@ class MeshMagics(Magics):
             raise UsageError(f"%%mesh --ranks: {e}") from None
         if a.timeout is not None and a.timeout <= 0:
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
+        from ..tensors import bind_refs
+
+        bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
         self._wait(m, req, a.timeout)
         report_quits(req, lambda text: self._write("stderr", text))  # pdb `q` is no failure
@@ -398,7 +436,8 @@ class MeshMagics(Magics):
         while True:
             done = req.done()
             try:
-                ev = req.events.get(timeout=0.02)
+                # a finished request puts ("done",): no waiting out the timeout
+                ev = req.events.get_nowait() if done else req.events.get(timeout=0.02)
             except queue.Empty:
                 printer.flush_lines()
                 last_flush = time.monotonic()
@@ -418,6 +457,8 @@ class MeshMagics(Magics):
 
     def _event(self, ev: tuple, printer: RankPrinter) -> None:
         kind = ev[0]
+        if kind == "done":
+            return
         if kind == "stream":
             _, rank, name, text = ev
             printer.feed(rank, name, text)
