@@ -302,10 +302,8 @@ class ActorMesh(Generic[A]):
     # -------------------------------------------------------------- sending
     def _send(self, ranks: list[int], method: str, args: tuple, kwargs: dict,
               oneway: bool, keep: str | None = None) -> Request | None:
-        """Send one call to ``ranks``; the Request that collects the replies.
-
-        ``keep``: the ranks keep the results under this id (``Endpoint.rref``).
-        """
+        """Send one call to ``ranks``; the Request that collects the replies
+        (``keep``: the ranks keep the results under this id, ``Endpoint.rref``)."""
         rec = self._record
         for r in ranks:
             cause = rec.stopped.get(r)
@@ -476,16 +474,9 @@ class Endpoint:
         self._mesh._send(self._mesh.shape.ranks, self._name, args, kwargs, True)
 
     def rref(self, *args: Any, **kwargs: Any) -> Any:
-        """Call every actor and keep the results on the ranks: returns a handle to
-        them (:class:`monarch_kernel.tensors.Ref`); only metadata comes back.
-
-        Waits for the calls (from the controller only).
-
-        Raises
-        ------
-        ActorError
-            If an actor raised (the values kept by the others are dropped).
-        """
+        """Call every actor (from the controller) and keep the results on the ranks;
+        returns a handle to them, :class:`monarch_kernel.tensors.Ref` (raises like
+        :meth:`call`)."""
         from .tensors import rref_call
 
         return rref_call(self, args, kwargs)

@@ -209,6 +209,7 @@ class Controller:
         self.leftover_output: Callable[[int], list[tuple[str, bytes]]] | None = None
         self.local_ranks: set[int] = set()
         self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
+        self.stopping = False  # set while the mesh is being stopped on purpose
         self.listeners: list[Callable[[str, int, Any], None]] = []
         self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
                                         daemon=True)
@@ -409,6 +410,8 @@ class Controller:
             self.pull.close(0)
 
     def _check_ranks(self, now: float) -> None:
+        if self.stopping:
+            return
         if self.poll_exits is not None:
             try:
                 exits = self.poll_exits()

@@ -283,6 +283,7 @@ class ProcMesh:
         if root._stopped:
             return
         root._stopped = True
+        root.controller.stopping = True  # exits from here on are "stopped", not "dead"
         live = [r for r, i in root.controller.ranks.items() if i.state not in ("dead", "stopped")]
         # ranks still starting (never said hello) get no request: it would wait for them
         started = [r for r in live if root.controller.ranks[r].state != "starting"]

@@ -119,9 +119,13 @@ def local_ids() -> list[str]:
         return list(_store)
 
 
-def _current_rank() -> int | None:
+def _current_worker() -> Any:
     mod = sys.modules.get("monarch_kernel.worker")
-    w = getattr(mod, "current", None) if mod is not None else None
+    return getattr(mod, "current", None) if mod is not None else None
+
+
+def _current_rank() -> int | None:
+    w = _current_worker()
     return None if w is None else w.rank
 
 
@@ -138,20 +142,27 @@ def _get(id: str, label: str = "", ranks: list[int] | None = None) -> Any:
                       "the rank was restarted)", rank=rank)
 
 
-def resolve(id: str, ranks: list[int], label: str) -> Any:
+def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
     """Unpickle a handle: on a rank, its local value; on the controller, the handle.
+
+    ``controller``: the address of the handle's controller (a rank of another
+    mesh refuses it).
 
     Raises
     ------
     MeshError
-        On a rank the handle does not live on.
+        On a rank the handle does not live on, or of another mesh.
     MeshFailure
         When the rank no longer holds the value (freed, or the rank restarted).
     """
-    if _current_rank() is None:
+    w = _current_worker()
+    if w is None:
         from .tensors import _rebuild_local
 
         return _rebuild_local(id, label)
+    if controller and controller != w.address:
+        raise MeshError(f"handle {label!r} belongs to another mesh (controller {controller}); "
+                        f"this is rank {w.rank} of the mesh of {w.address}")
     return _get(id, label, ranks)
 
 

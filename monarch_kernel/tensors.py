@@ -54,9 +54,11 @@ class _Entry:
     """What every :class:`Ref` to one set of rank-side values shares; freeing
     the values is tied to its life."""
 
-    def __init__(self, root: Any, ranks: list[int], label: str) -> None:
+    def __init__(self, root: Any, shape: Shape, label: str) -> None:
+        ranks = shape.ranks
         self.id = secrets.token_hex(8)
         self.root = root
+        self.shape = shape
         self.label = label
         ctl = root.controller
         #: the worker process behind each rank when the values were made
@@ -119,7 +121,7 @@ def _rebuild_local(id: str, label: str) -> Ref:
     entry = _entries.get(id)
     if entry is None or entry.freed:
         raise MeshError(f"handle {label!r} was freed; its values are gone")
-    return Ref(entry, Shape({"ranks": len(entry.incarnation)}, list(entry.incarnation)))
+    return Ref(entry, entry.shape)
 
 
 def _parse_placement(p: Any) -> tuple:
@@ -188,7 +190,7 @@ class Ref:
 
     def __reduce__(self) -> tuple:
         # a handle travels as its id: on a rank it unpickles to that rank's value
-        return (resolve, (self.id, self.ranks, self.label))
+        return (resolve, (self.id, self.ranks, self.label, self._entry.root.controller.address))
 
     def slice(self, **selectors: int | slice) -> Ref:
         """The same values on a sub-mesh (``procs=0``, ``procs=slice(0, 2)``).
@@ -224,7 +226,7 @@ class Ref:
             info = ctl.ranks[r]
             if info.state in ("dead", "stopped"):
                 err = ctl.rank_failure(r)
-                err.args = (f"handle {self.label!r}: {err.args[0]}; its value there is lost",)
+                err.args = (f"handle {self.label!r} lost its value on rank {r}: {err.args[0]}",)
                 raise err
             if info.state != "starting" and info.identity != e.incarnation[r]:
                 raise MeshFailure(f"handle {self.label!r}: rank {r} was restarted after the "
@@ -241,7 +243,7 @@ class Ref:
         return {r: req.replies[r][1] for r in ranks}
 
     def _derived(self, op: str, label: str, **content: Any) -> Ref:
-        entry = _Entry(self._entry.root, self.ranks, label)
+        entry = _Entry(self._entry.root, self.mesh_shape, label)
         try:
             self._ask(op, new=entry.id, **content)
         except BaseException:
@@ -381,7 +383,8 @@ class Ref:
         local : bool
             True: each rank's tensor is its local shard
             (``DTensor.from_local``). False: each rank holds the whole tensor
-            and it is distributed from the first rank (``distribute_tensor``).
+            and the first rank of each device-mesh group distributes its copy
+            (``distribute_tensor``).
 
         Returns
         -------
@@ -439,7 +442,7 @@ def ref_of(procmesh: Any, name: str) -> Ref:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"{name!r} is not a variable name; e.g. mesh.ref('x')")
     procmesh._check()
-    entry = _Entry(procmesh.root, procmesh.ranks, name)
+    entry = _Entry(procmesh.root, procmesh.shape, name)
     try:
         req = procmesh.request("ref", {"op": "keep", "id": entry.id, "name": name})
         procmesh.collect(req)
@@ -460,7 +463,7 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
         raise RuntimeError("rref() makes handles for the controller; call it from the "
                            "controller that spawned the actors")
 
-    entry = _Entry(rec.procmesh.root, mesh.shape.ranks, f"{mesh._class_name}.{ep._name}")
+    entry = _Entry(rec.procmesh.root, mesh.shape, f"{mesh._class_name}.{ep._name}")
     name = mesh.name
 
     def finish(req: Any) -> None:
@@ -504,6 +507,9 @@ def bind_refs(procmesh: Any, ranks: list[int], code: str, user_ns: dict[str, Any
     if not refs:
         return []
     for name, r in refs.items():
+        if r._entry.root is not procmesh.root:
+            raise MeshError(f"{name!r} is a handle to values of another (or a stopped) mesh; "
+                            f"make a new one (%mesh ref NAME) or  del {name}")
         missing = [k for k in ranks if k not in set(r.ranks)]
         if missing:
             raise MeshError(f"{name!r} is a handle to values on ranks {r.ranks}; this cell "

@@ -196,7 +196,7 @@ def test_handle_in_a_cell_and_an_endpoint_moves_no_bytes(mesh, monkeypatch):
     try:
         counter = BytesCounter(monkeypatch)
         mesh.push(local_big=r)  # as %%mesh does with a handle named in a cell
-        sums = mesh.exec("(local_big is T._store[%r], float(local_big.sum()))" % r.id)
+        sums = mesh.exec(f"(local_big is T._store[{r.id!r}], float(local_big.sum()))")
         got = a.double.call(r).get()
         moved = counter.total
         assert sums.values() == [(True, float(k * MB // 4)) for k in range(4)]
@@ -228,7 +228,7 @@ def test_freed_handle_frees_the_rank_side_value(mesh):
     r = mesh.ref("w")
     s = r.reduce("procs")
     ids = (r.id, s.id)
-    held = "sorted(set(%r) & set(T.local_ids()))" % (ids,)
+    held = f"sorted(set({ids!r}) & set(T.local_ids()))"
     assert mesh.exec(held).values() == [sorted(ids)] * 4
     del r
     gc.collect()
@@ -239,7 +239,7 @@ def test_freed_handle_frees_the_rank_side_value(mesh):
         s.gather()
 
 
-def test_reduce_and_dtensor_need_dist():
+def test_reduce_and_dtensor_need_dist_and_handles_stay_in_their_mesh(mesh):
     m = spawn_procs(2)
     try:
         m.exec("x = 1.5")
@@ -247,6 +247,8 @@ def test_reduce_and_dtensor_need_dist():
         with pytest.raises(MeshError, match="--dist gloo"):
             r.reduce("procs")
         assert r.gather().values() == [1.5, 1.5]
+        with pytest.raises(Exception, match="belongs to another mesh"):
+            mesh.slice(procs=0).push(y=r)
         assert m.exec("import monarch_kernel\ntry:\n monarch_kernel.device_mesh()\n"
                       "except RuntimeError as e:\n err = str(e)\nerr").values()[0].startswith(
             "this mesh has no torch.distributed")

@@ -78,3 +78,34 @@ def test_usage_errors_are_one_line(k22, line, message):
 def test_help_lists_ref_and_show(k22):
     out = k22.execute("%mesh help").stream()
     assert "r = %mesh ref NAME" in out and "%mesh show REF|NAME" in out
+
+
+COUNT = """\
+import monarch_kernel.serialize as _S
+_moved, _dumps, _loads = [0], _S.dumps, _S.loads
+def _counting_dumps(obj):
+    payload, buffers = _dumps(obj)
+    _moved[0] += len(payload) + sum(memoryview(b).nbytes for b in buffers)
+    return payload, buffers
+def _counting_loads(payload, buffers=()):
+    _moved[0] += memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in buffers)
+    return _loads(payload, buffers)
+_S.dumps, _S.loads = _counting_dumps, _counting_loads
+"""
+
+
+def test_a_handle_in_a_cell_moves_no_bytes(k22):
+    r = k22.execute("%%mesh\nbig = torch.ones(1 << 18) * rank  # 1 MiB per rank")
+    assert r.status == "ok", r.error_text()
+    r = k22.execute("big_r = %mesh ref big\n" + COUNT)  # the kernel counts what it (un)pickles
+    assert r.status == "ok", r.error_text()
+    try:
+        r = k22.execute("%%mesh\n(big_r is big, float(big_r.sum()))")
+        assert r.status == "ok", r.error_text()
+        assert "(True, 786432.0)" in r.result_text()
+        moved = int(k22.execute("print(_moved[0]); _moved[0] = 0").stream())
+        assert moved < 16_000, moved  # the cell, the handle's id, the small results
+        k22.execute("_ = big_r.gather(); del _")
+        assert int(k22.execute("print(_moved[0])").stream()) > 4 << 20  # data does count
+    finally:
+        k22.execute("_S.dumps, _S.loads = _dumps, _loads")
