@@ -29,7 +29,6 @@ import os
 import re
 import secrets
 import threading
-from typing import Any
 
 __all__ = ["MIN_BYTES", "ShmBuffer", "create", "open_buffer", "unlink", "NAME_RE"]
 

@@ -147,14 +147,31 @@ def _cpu_readouts(page) -> dict[int, float]:
     return out
 
 
+def _dismiss_dialogs(page) -> None:
+    """Accept any modal dialog JupyterLab opened (e.g. a kernel choice on a slow
+    start); its text is printed so a failure says what it was."""
+    for _ in range(3):
+        dialog = page.locator(".jp-Dialog")
+        if dialog.count() == 0:
+            return
+        print("JupyterLab dialog:", dialog.first.inner_text()[:300].replace("\n", " | "))
+        accept = page.locator(".jp-Dialog .jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        else:
+            page.keyboard.press("Escape")
+        page.wait_for_timeout(500)
+
+
 def _run_all(page, tries: int = 3) -> None:
     """Run > Run All Cells, again if no cell started (a click while the page settles)."""
     started = ("[...document.querySelectorAll('.jp-InputArea-prompt')]"
                ".some(e => /\\[(\\*|\\d+)\\]/.test(e.innerText))")
     for i in range(tries):
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_text("Run All Cells", exact=True).click()
         try:
+            _dismiss_dialogs(page)
+            page.get_by_role("menuitem", name="Run", exact=True).click(timeout=10_000)
+            page.get_by_text("Run All Cells", exact=True).click(timeout=10_000)
             page.wait_for_function(started, timeout=15_000)
             return
         except Exception:
