@@ -150,6 +150,8 @@ class _ActorInstance:
                     break
                 if item[0] == "init":
                     self._construct(item[1], item[2])
+                elif item[0] == "supervise":
+                    self._supervise(item[1])
                 else:
                     self._call(item[1], item[2], item[3])
         finally:
@@ -163,6 +165,29 @@ class _ActorInstance:
                 asyncio.set_event_loop(self.loop)
             value = self.loop.run_until_complete(value)
         return value
+
+    def _supervise(self, failure: Any) -> None:
+        """A mesh this actor spawned lost a rank: ``__supervise__(failure)`` decides.
+
+        Runs on the actor's thread, between messages (one at a time, like
+        calls). A falsy result, no ``__supervise__``, or an exception in it
+        leaves the failure unhandled: it is reported to this worker's
+        controller, which shows it (see ``Controller.unhandled``).
+        """
+        handler = getattr(self.obj, "__supervise__", None)
+        handled, note = False, ""
+        if handler is not None:
+            try:
+                handled = bool(self._run_maybe_async(handler(failure)))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                note = f"; __supervise__ raised {type(e).__name__}: {e}"
+        if not handled:
+            try:
+                self.worker.send("event", {
+                    "kind": "supervision", "actor": self.name, "rank": self.worker.rank,
+                    "failure": f"{failure}{note}"})
+            except Exception:  # noqa: BLE001 - the connection is going away
+                log.warning("could not report an unhandled failure: %s", failure)
 
     def _construct(self, packed: Packed, done: list[Any]) -> None:
         try:
@@ -527,6 +552,20 @@ class PeerHost:
                 self.pending.pop(req.id, None)
         if finished:
             req._finish()  # completes the caller's future (outside the lock)
+
+
+def supervise_from_current_actor(controller: Any) -> None:
+    """If this thread is an actor's, route failures of ``controller``'s mesh
+    (a mesh the actor spawns) to that actor's ``__supervise__``."""
+    inst = getattr(context, "actor", None)
+    if inst is None:
+        return
+
+    def on_event(kind: str, rank: int, payload: Any) -> None:
+        if kind == "dead" and not controller.stopping:
+            inst.queue.put(("supervise", payload))
+
+    controller.listeners.append(on_event)
 
 
 def _addr_host(address: str) -> str:

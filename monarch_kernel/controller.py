@@ -22,6 +22,7 @@ import collections
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -210,6 +211,8 @@ class Controller:
         self.local_ranks: set[int] = set()
         self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
         self.stopping = False  # set while the mesh is being stopped on purpose
+        #: failures of meshes spawned by actors that no __supervise__ handled
+        self.unhandled: list[str] = []
         self.listeners: list[Callable[[str, int, Any], None]] = []
         self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
                                         daemon=True)
@@ -502,6 +505,14 @@ class Controller:
             self._notify_listeners("state", rank, msg.content)
             return
         if t == "event":
+            c = msg.content
+            if isinstance(c, dict) and c.get("kind") == "supervision":
+                # an actor's child mesh failed and its __supervise__ did not handle it
+                text = (f"unhandled failure in a mesh spawned by actor {c.get('actor')!r} "
+                        f"on rank {rank}: {c.get('failure')}")
+                self.unhandled.append(text)
+                log.warning("%s", text)
+                print(f"[monarch] {text}", file=sys.stderr, flush=True)
             if self.on_event is not None:
                 self.on_event(rank, msg.content)
             self._notify_listeners("event", rank, msg.content)

@@ -461,6 +461,9 @@ def spawn_procs(
         raise
     if restart == "on-failure":
         mesh.supervisor = Supervisor(mesh, max_restarts)
+    from .actor_host import supervise_from_current_actor
+
+    supervise_from_current_actor(ctl)  # spawned by an actor: its __supervise__ sees failures
     _live.add(mesh)
     return mesh
 
