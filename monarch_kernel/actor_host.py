@@ -47,7 +47,7 @@ from . import shm as _shm
 from .controller import Request
 from .errors import MeshFailure, ProtocolError, SerializationError
 from .mesh import Point, Shape
-from .transport import Outbox, bind_router, connect_dealer, inproc_pair, is_loopback
+from .transport import Outbox, bind_router, connect_dealer, drain, inproc_pair, is_loopback
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -471,26 +471,14 @@ class PeerHost:
             while True:
                 events = dict(poller.poll(1000))
                 if self.pull in events:
-                    while True:
-                        try:
-                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in drain(self.pull):
                         self._forward(frames, dealers, socks, poller)
                 if self.router in events:
-                    while True:
-                        try:
-                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in drain(self.router):
                         self._incoming(frames)
                 for s in socks:
                     if s in events:
-                        while True:
-                            try:
-                                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
-                            except zmq.Again:
-                                break
+                        for frames in drain(s):
                             self._reply(frames)
         except Exception:
             log.exception("the peer I/O thread of rank %d failed", self.rank)

@@ -33,7 +33,7 @@ import zmq
 
 from . import protocol, shm
 from .errors import MeshFailure, ProtocolError, RemoteFailure, TransportError
-from .transport import Outbox, bind_router, inproc_pair, is_loopback
+from .transport import Outbox, bind_router, drain, inproc_pair, is_loopback
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -374,21 +374,13 @@ class Controller:
             while not self._closed.is_set():
                 events = dict(poller.poll(50))
                 if self.pull in events:
-                    while True:
-                        try:
-                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in drain(self.pull):
                         try:
                             self.router.send_multipart(frames, copy=False)
                         except zmq.ZMQError as e:  # host unreachable: the rank is gone
                             log.debug("cannot send to %r: %s", frames[0].bytes, e)
                 if self.router in events:
-                    while True:
-                        try:
-                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in drain(self.router):
                         try:
                             self._receive(frames)
                         except Exception:  # noqa: BLE001 - one bad message must not stop I/O

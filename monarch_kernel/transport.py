@@ -22,13 +22,14 @@ import ipaddress
 import itertools
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from .errors import TransportError
 
-__all__ = ["Outbox", "bind_router", "connect_dealer", "is_loopback", "inproc_pair"]
+__all__ = ["Outbox", "bind_router", "connect_dealer", "drain", "inproc_pair", "is_loopback"]
 
 _counter = itertools.count()
 
@@ -109,6 +110,15 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes,
         sock.close(0)
         raise TransportError(f"cannot connect to {address!r}: {e}") from e
     return sock
+
+
+def drain(sock: zmq.Socket) -> Iterator[list[zmq.Frame]]:
+    """Every message already waiting on ``sock`` (without blocking), zero-copy."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
 
 
 def inproc_pair(ctx: zmq.Context) -> tuple[zmq.Socket, str]:

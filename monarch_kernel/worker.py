@@ -44,7 +44,7 @@ import zmq
 from . import protocol, telemetry
 from .capture import FdCapture
 from .errors import ProtocolError, SerializationError
-from .transport import Outbox, connect_dealer, inproc_pair
+from .transport import Outbox, connect_dealer, drain, inproc_pair
 
 log = logging.getLogger("monarch_kernel.worker")
 
@@ -159,20 +159,12 @@ class Worker:
             while True:
                 events = dict(poller.poll(100))
                 if self.pull in events:
-                    while True:
-                        try:
-                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in drain(self.pull):
                         self.dealer.send_multipart(frames, copy=False)
                 if self.stopping.is_set():
                     break
                 if self.dealer in events:
-                    while True:
-                        try:
-                            frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in drain(self.dealer):
                         try:
                             msg = self.codec.decode(frames, lazy=True)
                         except ProtocolError as e:

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement, worker_command
@@ -189,19 +188,10 @@ class NetnsLauncher(Launcher):
                 p.send_signal(sig)
 
     def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
-        procs = [p for r, p in self.procs.items() if ranks is None or r in ranks]
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(2)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        from monarch_kernel.launchers.base import stop_processes
+
+        stop_processes([p for r, p in self.procs.items() if ranks is None or r in ranks],
+                       timeout)
 
     def default_bind(self) -> str:
         return os.environ.get("MONARCH_TEST_BIND", "127.0.0.1")

@@ -150,6 +150,27 @@ class Launcher(abc.ABC):
         SIGTERM, then SIGKILL after ``timeout`` seconds; cancel jobs."""
 
 
+def stop_processes(procs: list, timeout: float, grace: float = 2.0) -> None:
+    """Wait up to ``timeout`` seconds for ``subprocess.Popen`` objects to exit,
+    then SIGTERM them, then SIGKILL those still alive after ``grace`` seconds."""
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
 def default_threads(nprocs_here: int) -> str:
     """OMP_NUM_THREADS per worker when the user set none (as torchrun does)."""
     return str(max(1, (os.cpu_count() or 1) // max(1, nprocs_here)))

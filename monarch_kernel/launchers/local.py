@@ -7,9 +7,15 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 
-from .base import Launcher, LaunchSpec, Placement, default_threads, worker_command
+from .base import (
+    Launcher,
+    LaunchSpec,
+    Placement,
+    default_threads,
+    stop_processes,
+    worker_command,
+)
 
 __all__ = ["LocalLauncher"]
 
@@ -129,19 +135,7 @@ class LocalLauncher(Launcher):
     def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
         with self._lock:
             procs = [p for r, p in self.procs.items() if ranks is None or r in ranks]
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.terminate()
-        deadline = time.monotonic() + 2.0
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes(procs, timeout)
         with self._lock:
             for r in list(self.pipes):
                 if ranks is None or r in ranks:
