@@ -44,7 +44,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
         ratios = {}
         base = row["raw_pyzmq"]
         for k, v in row["monarch_kernel"].items():
-            if k in base and base[k]:
+            if base.get(k):
                 ratios[k] = v / base[k]
         row["ratio_to_raw"] = ratios
         result["n"][str(n)] = row

@@ -6,16 +6,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import sys
+
 import cloudpickle
 import psutil
 
-import benchmarks.ours as _self
 from monarch_kernel import Actor, endpoint
 from monarch_kernel.procmesh import spawn_procs
 
 from .stats import latencies_us, p50, p99
 
-cloudpickle.register_pickle_by_value(_self)  # workers need not import this file
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
 MiB = 1 << 20
 
@@ -98,9 +99,9 @@ def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[st
     for n in sizes:
         procs = spawn_procs(n, telemetry_interval=0, timeout=300)
         try:
-            actors = procs.spawn("bench", Bench)
+            noop = procs.spawn("bench", Bench).noop
             out[f"bcast_p50_us_n{n}"] = p50(
-                latencies_us(lambda: actors.noop.call().get(), calls, warmup=20))
+                latencies_us(lambda noop=noop: noop.call().get(), calls, warmup=20))
         finally:
             procs.stop()
     return out

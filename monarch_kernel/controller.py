@@ -37,7 +37,7 @@ from .transport import Outbox, bind_router, drain, inproc_pair, is_loopback
 
 log = logging.getLogger("monarch_kernel.controller")
 
-__all__ = ["Controller", "Request", "RankInfo"]
+__all__ = ["Controller", "RankInfo", "Request"]
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Request:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # noqa: BLE001 - a callback must not kill the I/O thread
+            except Exception:
                 log.exception("a request callback failed")
 
     def _reply(self, rank: int, status: str, value: Any) -> bool:
@@ -360,7 +360,7 @@ class Controller:
         for fn in list(self.listeners):
             try:
                 fn(kind, rank, payload)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("a controller listener failed")
 
     # ------------------------------------------------------------ I/O thread
@@ -383,7 +383,7 @@ class Controller:
                     for frames in drain(self.router):
                         try:
                             self._receive(frames)
-                        except Exception:  # noqa: BLE001 - one bad message must not stop I/O
+                        except Exception:
                             log.exception("the controller dropped a message it could not handle")
                 now = time.monotonic()
                 if now - last_check >= 0.05:
@@ -398,7 +398,7 @@ class Controller:
                                 self.router.send_multipart([info.identity, *beat])
                             except zmq.ZMQError:
                                 pass
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("the controller I/O thread failed")
         finally:
             self.router.close(0)
@@ -410,7 +410,7 @@ class Controller:
         if self.poll_exits is not None:
             try:
                 exits = self.poll_exits()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("polling worker processes failed")
                 exits = {}
             for rank, code in exits.items():
@@ -523,7 +523,7 @@ class Controller:
         """Forward what a dead rank wrote but never sent (read from the launcher's pipes)."""
         try:
             chunks = self.leftover_output(rank) if self.leftover_output else []
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("reading the output of dead rank %d failed", rank)
             return
         with self._lock:

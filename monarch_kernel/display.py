@@ -24,7 +24,7 @@ import sys
 import uuid
 from typing import Any
 
-__all__ = ["install", "display", "publish_display_data", "update_display", "clear_output"]
+__all__ = ["clear_output", "display", "install", "publish_display_data", "update_display"]
 
 _TARGET = "IPython.core.display_functions"
 

@@ -28,19 +28,19 @@ import threading
 from typing import Any
 
 __all__ = [
-    "MonarchError",
-    "ProtocolError",
-    "TransportError",
-    "MeshError",
-    "NoMeshError",
-    "RankSpecError",
-    "MeshFailure",
-    "SerializationError",
-    "RemoteError",
     "ActorError",
+    "MeshError",
+    "MeshFailure",
+    "MonarchError",
+    "NoMeshError",
+    "ProtocolError",
+    "RankSpecError",
+    "RemoteError",
     "RemoteFailure",
-    "remote_exception",
+    "SerializationError",
+    "TransportError",
     "group_failures",
+    "remote_exception",
 ]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import MeshError, RankSpecError
 
-__all__ = ["Shape", "Point", "ValueMesh", "parse_ranks"]
+__all__ = ["Point", "Shape", "ValueMesh", "parse_ranks"]
 
 
 class Shape:

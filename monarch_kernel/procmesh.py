@@ -21,7 +21,7 @@ from .errors import MeshError, MeshFailure, RemoteError, group_failures, remote_
 from .launchers import Launcher, LaunchSpec, get_launcher
 from .mesh import Shape, ValueMesh
 
-__all__ = ["ProcMesh", "spawn_procs", "this_host", "HostMesh"]
+__all__ = ["HostMesh", "ProcMesh", "spawn_procs", "this_host"]
 
 _live: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
 
@@ -302,7 +302,7 @@ class ProcMesh:
     def __enter__(self) -> ProcMesh:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

@@ -39,7 +39,7 @@ from . import serialize
 from . import shm as _shm
 from .errors import ProtocolError
 
-__all__ = ["MAGIC", "VERSION", "TYPES", "Message", "Codec", "new_key"]
+__all__ = ["MAGIC", "TYPES", "VERSION", "Codec", "Message", "new_key"]
 
 MAGIC = b"MK/1"
 VERSION = 1
@@ -325,7 +325,7 @@ class Codec:
                                     f"{self.max_buffers} bytes")
         if (not isinstance(mtype, str) or mtype not in TYPES or not isinstance(mid, str)
                 or not isinstance(sender, str) or not isinstance(parent, (str, type(None)))
-                or type(nb) is not int or nb != len(buffers)):  # noqa: E721 - bool is no count
+                or type(nb) is not int or nb != len(buffers)):
             raise ProtocolError(f"malformed message header: {header!r:.200}")
         with self._lock:
             if mid in self._seen:
@@ -347,7 +347,7 @@ class Codec:
 class _ShmFrame:
     """A verified shared-memory descriptor, mapped when the payload is decoded."""
 
-    __slots__ = ("name", "nbytes", "mode")
+    __slots__ = ("mode", "name", "nbytes")
 
     def __init__(self, name: str, nbytes: int, mode: str) -> None:
         self.name, self.nbytes, self.mode = name, nbytes, mode

@@ -24,7 +24,7 @@ import cloudpickle
 
 from .errors import SerializationError
 
-__all__ = ["dumps", "loads", "PROTOCOL"]
+__all__ = ["PROTOCOL", "dumps", "loads"]
 
 PROTOCOL = 5
 #: buffers smaller than this are left in-band (a frame costs more than a copy)

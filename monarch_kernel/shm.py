@@ -30,7 +30,7 @@ import re
 import secrets
 import threading
 
-__all__ = ["MIN_BYTES", "ShmBuffer", "create", "open_buffer", "unlink", "NAME_RE"]
+__all__ = ["MIN_BYTES", "NAME_RE", "ShmBuffer", "create", "open_buffer", "unlink"]
 
 #: buffers at least this large travel through shared memory on one host
 MIN_BYTES = 1 << 20

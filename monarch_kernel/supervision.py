@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_kernel.supervision")
 
-__all__ = ["restart_ranks", "Supervisor", "RESTART_POLICIES", "abort_survivors"]
+__all__ = ["RESTART_POLICIES", "Supervisor", "abort_survivors", "restart_ranks"]
 
 RESTART_POLICIES = ("never", "on-failure")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["KernelSession", "ExecResult", "worker_pids", "wait_for"]
+__all__ = ["ExecResult", "KernelSession", "wait_for", "worker_pids"]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05,

@@ -173,7 +173,7 @@ class Worker:
                         last_heard = time.monotonic()
                         try:
                             self._dispatch(msg)
-                        except Exception:  # noqa: BLE001 - a bad message must not kill I/O
+                        except Exception:
                             log.exception("rank %d dropped a message it could not dispatch "
                                           "(%s)", self.rank, msg.type)
                 now = time.monotonic()

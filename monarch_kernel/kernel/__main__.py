@@ -5,6 +5,7 @@ This is the command in the kernelspec's ``argv``; Jupyter runs it.
 
 if __name__ == "__main__":
     from ipykernel.kernelapp import IPKernelApp
+
     from monarch_kernel.kernel.kernel import MonarchKernel
 
     IPKernelApp.launch_instance(kernel_class=MonarchKernel)

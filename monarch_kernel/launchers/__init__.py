@@ -5,7 +5,7 @@ from __future__ import annotations
 from .base import Launcher, LaunchSpec, Placement
 from .local import LocalLauncher
 
-__all__ = ["Launcher", "LaunchSpec", "Placement", "LocalLauncher", "get_launcher"]
+__all__ = ["LaunchSpec", "Launcher", "LocalLauncher", "Placement", "get_launcher"]
 
 
 def get_launcher(name: str | Launcher, **options: object) -> Launcher:

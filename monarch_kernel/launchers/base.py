@@ -15,7 +15,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["LaunchSpec", "Placement", "Launcher", "worker_command"]
+__all__ = ["LaunchSpec", "Launcher", "Placement", "worker_command"]
 
 
 @dataclass
