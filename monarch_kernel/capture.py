@@ -6,10 +6,11 @@ arrives; :meth:`FdCapture.drain` lets the main thread push out everything
 written so far before it sends a reply, so a reply never overtakes the
 output that came before it.
 
-When the launcher made the pipes (the ``local`` launcher does), it keeps
-their read ends too: if the worker dies with output still in a pipe, the
-controller reads it from there, so what a rank wrote before dying is not
-lost.
+With ``passive=True`` (the ``local`` launcher) the worker reads nothing:
+fds 1 and 2 are pipes whose read ends only the controller holds, so what a
+rank wrote just before dying is never lost in the worker; the controller
+reads everything a rank wrote before handling its reply. Here, the worker
+only makes Python's streams write straight through to those fds.
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ class FdCapture:
         launcher); when None, new pipes are made here.
     log_fd : int, optional
         Where the worker's own log goes; the original fd 2 by default.
+    passive : bool
+        fds 1 and 2 are read by the controller: read nothing here.
     """
 
     def __init__(self, on_output: Callable[[str, bytes], None],
-                 read_fds: tuple[int, int] | None = None, log_fd: int | None = None) -> None:
+                 read_fds: tuple[int, int] | None = None, log_fd: int | None = None,
+                 passive: bool = False) -> None:
         self._on_output = on_output
         self._lock = threading.Lock()
         self.original: dict[int, int] = {}
         self._read: dict[int, str] = {}
-        for fd, name in ((1, "stdout"), (2, "stderr")):
+        for fd, name in ((1, "stdout"), (2, "stderr")) if not passive else ():
             sys_stream = sys.stdout if fd == 1 else sys.stderr
             try:
                 sys_stream.flush()
@@ -75,7 +79,8 @@ class FdCapture:
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="monarch-capture", daemon=True)
-        self._thread.start()
+        if self._read:
+            self._thread.start()
 
     def log_stream(self) -> io.TextIOWrapper:
         """A text stream on the worker's original stderr (for its own logs)."""
@@ -128,6 +133,7 @@ class FdCapture:
         self.drain()
         self._stopping = True
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=2)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
         for fd, orig in self.original.items():
             os.dup2(orig, fd)

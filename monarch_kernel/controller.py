@@ -18,8 +18,10 @@ heartbeats. A dead rank fails every request waiting on it with
 
 from __future__ import annotations
 
+import codecs
 import collections
 import logging
+import os
 import queue
 import signal
 import sys
@@ -57,6 +59,8 @@ class RankInfo:
     messages_in: int = 0
     messages_out: int = 0
     telemetry: dict[str, Any] = field(default_factory=dict)
+    #: the rank's worker connected a second socket (controller -> worker traffic)
+    down: bool = False
     #: routing identity of the rank's connection, learnt from its signed hello
     #: (random per worker process, so no other connection can claim the rank's traffic)
     identity: bytes = b""
@@ -71,6 +75,16 @@ class RankInfo:
                 name = f"signal {-self.exitcode}"
             return f"was killed by {name}"
         return f"exited with code {self.exitcode}"
+
+
+class _Pipe:
+    """The read end of a local worker's stdout or stderr pipe."""
+
+    __slots__ = ("decoder", "fd", "name", "rank")
+
+    def __init__(self, rank: int, name: str, fd: int) -> None:
+        self.rank, self.name, self.fd = rank, name, fd
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 class Request:
@@ -95,6 +109,8 @@ class Request:
         self.replies: dict[int, tuple[str, Any]] = {}
         self.events: queue.Queue[tuple] = queue.Queue()
         self.failure: MeshFailure | None = None
+        self.failed_at: float | None = None  # monotonic time a rank's death failed it
+        self.aborted = False  # the other ranks were interrupted after the failure
         self._done = threading.Event()
         self._callbacks: list[Callable[[Request], None]] = []
         self._lock = threading.Lock()
@@ -199,6 +215,11 @@ class Controller:
                         "off: messages are signed but anyone on that network can read them",
                         bind)
         self.router, self.address = bind_router(self.ctx, bind, secret)
+        # controller -> worker traffic leaves on a second socket that no thread reads:
+        # any thread sends on it under a lock, without a hand-off to the I/O thread
+        self.router_down, self.down_address = bind_router(self.ctx, bind, secret)
+        self.router_down.rcvhwm = 1  # nothing is read here: bound what a peer can queue
+        self._down_lock = threading.Lock()
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.ranks: dict[int, RankInfo] = {}
@@ -208,6 +229,9 @@ class Controller:
         self._closed = threading.Event()
         self.poll_exits: Callable[[], dict[int, int]] | None = None  # set by the launcher
         self.leftover_output: Callable[[int], list[tuple[str, bytes]]] | None = None
+        # output pipes of local workers, read here only (see adopt_pipes)
+        self._pipes: dict[int, _Pipe] = {}  # fd -> pipe (I/O thread only)
+        self._new_pipes: list[tuple[int, int, int]] = []  # (rank, stdout fd, stderr fd)
         self.local_ranks: set[int] = set()
         self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
         self.stopping = False  # set while the mesh is being stopped on purpose
@@ -223,7 +247,32 @@ class Controller:
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
-                self.outbox.send([info.identity, *frames])
+                if info.down:
+                    self._send_down(info.identity, frames)
+                else:
+                    self.outbox.send([info.identity, *frames])
+
+    def _send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
+        """Send on the second socket; a worker whose second connection is not
+        attached yet (just after its hello) is retried for ``retry`` seconds."""
+        deadline = None
+        while True:
+            with self._down_lock:
+                if self._closed.is_set():
+                    return False
+                try:
+                    self.router_down.send_multipart([ident, *frames], copy=False)
+                    return True
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        log.debug("cannot send to %r: %s", ident, e)
+                        return False
+            now = time.monotonic()
+            deadline = deadline or now + retry
+            if now > deadline:
+                log.debug("no second connection from %r", ident)
+                return False
+            time.sleep(0.001)
 
     def request(self, ranks: Iterable[int], type: str, content: Any = None) -> Request:
         """Send one request to ``ranks`` and return the :class:`Request` to wait on.
@@ -351,10 +400,78 @@ class Controller:
                        if rank in q.ranks and rank not in q.replies]
             self._hello.notify_all()
         for req in waiting:
-            with self._lock:
-                self.pending.pop(req.id, None)
+            # the request fails now, but stays routable for a while: what the other
+            # ranks print (and their replies, once interrupted) still reach it
+            req.failed_at = time.monotonic()
             req._fail(failure)
+            with self._lock:
+                self._retire_if_settled(req)
         self._notify_listeners("dead", rank, failure)
+
+    def _retire_if_settled(self, req: Request) -> None:
+        """Forget a failed request once every rank replied or is gone (lock held)."""
+        if all(r in req.replies or self.ranks[r].state in ("dead", "stopped")
+               for r in req.ranks):
+            self.pending.pop(req.id, None)
+
+    def adopt_pipes(self, rank: int, stdout_fd: int, stderr_fd: int) -> None:
+        """Take the read ends of a local worker's stdout/stderr pipes (any thread).
+
+        From then on the I/O thread alone reads them: live, before handling the
+        rank's replies (so a reply never overtakes its output), and to the end
+        when the rank dies (so nothing it wrote is lost); it closes them at EOF.
+        """
+        with self._lock:
+            self._new_pipes.append((rank, stdout_fd, stderr_fd))
+        try:  # wake the I/O thread so it registers them now
+            self.outbox.send([b""])
+        except TransportError:
+            pass
+
+    def _register_pipes(self, poller: zmq.Poller) -> None:
+        with self._lock:
+            new, self._new_pipes = self._new_pipes, []
+        for rank, out_fd, err_fd in new:
+            for fd, name in ((out_fd, "stdout"), (err_fd, "stderr")):
+                self._pipes[fd] = _Pipe(rank, name, fd)
+                poller.register(fd, zmq.POLLIN)
+
+    def _read_pipe(self, pipe: _Pipe, poller: zmq.Poller | None) -> None:
+        """Forward what is in ``pipe`` now; close it at EOF."""
+        while True:
+            try:
+                data = os.read(pipe.fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # every writer is gone
+                if poller is not None:
+                    poller.unregister(pipe.fd)
+                self._pipes.pop(pipe.fd, None)
+                os.close(pipe.fd)
+                return
+            text = pipe.decoder.decode(data)
+            if text:
+                self._deliver_stream(pipe.rank, pipe.name, text, self._running_request(pipe.rank))
+            if len(data) < 65536:
+                return
+
+    def _drain_pipes(self, rank: int) -> None:
+        """Forward everything ``rank`` wrote so far (I/O thread)."""
+        for pipe in [p for p in self._pipes.values() if p.rank == rank]:
+            self._read_pipe(pipe, self._poller)
+
+    def _running_request(self, rank: int) -> Request | None:
+        """The request ``rank`` is working on: its oldest unanswered one."""
+        with self._lock:
+            for q in self.pending.values():
+                if rank in q.ranks and rank not in q.replies and q.failure is None:
+                    return q
+            for q in self.pending.values():  # failed, but still routable for a while
+                if rank in q.ranks and rank not in q.replies:
+                    return q
+        return None
 
     def _notify_listeners(self, kind: str, rank: int, payload: Any) -> None:
         for fn in list(self.listeners):
@@ -365,16 +482,22 @@ class Controller:
 
     # ------------------------------------------------------------ I/O thread
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         last_beat = last_check = time.monotonic()
         beat = self.codec.encode("heartbeat")
         try:
             while not self._closed.is_set():
+                if self._new_pipes:
+                    self._register_pipes(poller)
                 events = dict(poller.poll(50))
+                for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
+                    self._read_pipe(self._pipes[fd], poller)
                 if self.pull in events:
                     for frames in drain(self.pull):
+                        if len(frames) == 1:  # a wake-up (adopt_pipes)
+                            continue
                         try:
                             self.router.send_multipart(frames, copy=False)
                         except zmq.ZMQError as e:  # host unreachable: the rank is gone
@@ -394,6 +517,9 @@ class Controller:
                     beat = self.codec.encode("heartbeat")
                     for r, info in list(self.ranks.items()):
                         if info.state not in ("dead", "stopped", "starting") and info.identity:
+                            if info.down:
+                                self._send_down(info.identity, beat, retry=0)
+                                continue
                             try:
                                 self.router.send_multipart([info.identity, *beat])
                             except zmq.ZMQError:
@@ -401,12 +527,19 @@ class Controller:
         except Exception:
             log.exception("the controller I/O thread failed")
         finally:
+            for fd in list(self._pipes):
+                os.close(fd)
+            self._pipes.clear()
             self.router.close(0)
             self.pull.close(0)
 
     def _check_ranks(self, now: float) -> None:
         if self.stopping:
             return
+        with self._lock:  # failed requests stay routable for 5 s at most
+            for req in [q for q in self.pending.values()
+                        if q.failed_at is not None and now - q.failed_at > 5.0]:
+                self.pending.pop(req.id, None)
         if self.poll_exits is not None:
             try:
                 exits = self.poll_exits()
@@ -414,6 +547,7 @@ class Controller:
                 log.exception("polling worker processes failed")
                 exits = {}
             for rank, code in exits.items():
+                self._drain_pipes(rank)
                 if self.leftover_output is not None:
                     self._deliver_leftover(rank)
                 self.mark_dead(rank, code)
@@ -449,6 +583,7 @@ class Controller:
         if t == "heartbeat":
             return
         if t == "reply":
+            self._drain_pipes(rank)  # its output comes before its reply
             with self._lock:
                 req = self.pending.get(msg.parent or "")
                 if req is not None:
@@ -456,6 +591,8 @@ class Controller:
                     if req._reply_pending(rank):
                         if req._reply(rank, c["status"], c["value"]):
                             self.pending.pop(req.id, None)
+                        elif req.failure is not None:
+                            self._retire_if_settled(req)
                 if info.state == "busy" and not any(
                     rank in q.ranks and rank not in q.replies for q in self.pending.values()
                 ):
@@ -487,6 +624,7 @@ class Controller:
             with self._hello:
                 c = msg.content
                 info.host, info.pid = c["host"], c["pid"]
+                info.down = bool(c.get("down"))
                 if info.state == "starting":
                     info.state = "idle"
                 self._hello.notify_all()
@@ -557,6 +695,8 @@ class Controller:
             req._fail(MeshFailure("the mesh was stopped"))
         self._closed.set()
         self._thread.join(timeout=5)
+        with self._down_lock:
+            self.router_down.close(0)
         self.outbox.close()
         self.ctx.term()
         if self.codec.pool is not None:

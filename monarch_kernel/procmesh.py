@@ -445,10 +445,12 @@ def spawn_procs(
     ctl.expect(ranks, local=la.local)
     spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat,
                       telemetry_interval=telemetry_interval,
-                      curve_server_key=ctl.curve_public_key)
+                      curve_server_key=ctl.curve_public_key, down_address=ctl.down_address)
     mesh.spec = spec
     ctl.poll_exits = la.poll
     ctl.leftover_output = la.leftover_output
+    if hasattr(la, "on_pipes"):  # local workers: their output pipes are read here
+        la.on_pipes = ctl.adopt_pipes
     la.attach(ctl)
     try:
         la.launch(spec)
@@ -499,6 +501,7 @@ def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output:
     ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
     if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
         ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
+        ctl.down_address = ctl.down_address.replace("0.0.0.0", la.default_bind(), 1)
     if not is_loopback(addr) and not encrypt:
         import sys
 

@@ -129,6 +129,11 @@ def abort_survivors(mesh: ProcMesh, ranks: list[int], grace: float = 3.0) -> Non
     if not running or root._stopped:
         return
     root.interrupt(running)
+    return _watch_stuck(root, running, grace)
+
+
+def _watch_stuck(root: ProcMesh, running: list[int], grace: float) -> None:
+    ctl = root.controller
     if not root.dist:
         return
 

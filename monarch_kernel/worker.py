@@ -74,6 +74,9 @@ class Worker:
         Exit after this many seconds without hearing from the controller.
     curve_server_key : bytes or None
         The controller's CurveZMQ public key; the connection is encrypted.
+    down_address : str or None
+        The controller's second endpoint (controller -> worker traffic); with
+        it, sending and receiving use separate connections.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class Worker:
         heartbeat: float = 1.0,
         heartbeat_timeout: float = 6.0,
         curve_server_key: bytes | None = None,
+        down_address: str | None = None,
     ) -> None:
         self.address = address
         self.rank = rank
@@ -99,8 +103,17 @@ class Worker:
         self.codec = protocol.Codec(key, f"r{rank}")
         self.ctx = zmq.Context()
         # a random routing identity: the controller learns it from the signed hello
-        self.dealer = connect_dealer(self.ctx, address,
-                                     f"r{rank}.{secrets.token_hex(8)}".encode(), curve_server_key)
+        ident = f"r{rank}.{secrets.token_hex(8)}".encode()
+        self.up: zmq.Socket | None = None
+        if down_address:
+            # two connections: `dealer` (controller -> worker) is read by the I/O thread
+            # only; `up` (worker -> controller) is written by any thread under a lock,
+            # so a reply leaves without a hand-off to the I/O thread
+            self.dealer = connect_dealer(self.ctx, down_address, ident, curve_server_key)
+            self.up = connect_dealer(self.ctx, address, ident, curve_server_key)
+        else:  # one connection, written by the I/O thread only (through the outbox)
+            self.dealer = connect_dealer(self.ctx, address, ident, curve_server_key)
+        self._up_lock = threading.Lock()
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
@@ -139,7 +152,14 @@ class Worker:
             If ``content`` cannot be pickled.
         """
         shm = "receiver" if type == "reply" and self.controller_pid is not None else None
-        self.outbox.send(self.codec.encode(type, content, parent, shm=shm))
+        self._send_frames(self.codec.encode(type, content, parent, shm=shm))
+
+    def _send_frames(self, frames: list[Any]) -> None:
+        if self.up is not None:
+            with self._up_lock:
+                self.up.send_multipart(frames, copy=False)
+        else:
+            self.outbox.send(frames)
 
     def _on_output(self, name: str, data: bytes) -> None:
         text = self._decoders[name].decode(data)
@@ -179,7 +199,11 @@ class Worker:
                 now = time.monotonic()
                 if now - last_sent >= self.heartbeat:
                     last_sent = now
-                    self.dealer.send_multipart(self.codec.encode("heartbeat"), copy=False)
+                    beat = self.codec.encode("heartbeat")
+                    if self.up is not None:
+                        self._send_frames(beat)
+                    else:
+                        self.dealer.send_multipart(beat, copy=False)
                     if not self._controller_alive():
                         log.warning("rank %d: the controller process is gone; exiting", self.rank)
                         _exit(0)
@@ -234,7 +258,8 @@ class Worker:
         self.io_thread.start()
         self.send(
             "hello",
-            {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()},
+            {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+             "down": self.up is not None},
         )
         self.telemetry = telemetry.start(self, self.telemetry_interval)
         while True:
@@ -432,6 +457,9 @@ class Worker:
             self.capture.drain()
         self.stopping.set()
         self.io_thread.join(timeout=2)
+        if self.up is not None:
+            with self._up_lock:
+                self.up.close(linger=2000)  # let the last reply leave
 
 
 def _exit(code: int) -> None:
@@ -488,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-pid", type=int, default=None)
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
+    p.add_argument("--controller-down", default=None,
+                   help="tcp://host:port the controller sends on (a second connection)")
     p.add_argument("--curve-server-key", default=None,
                    help="the controller's CurveZMQ public key (Z85): encrypt the connection")
     p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,
@@ -517,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat=args.heartbeat,
         heartbeat_timeout=args.heartbeat_timeout,
         curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
+        down_address=args.controller_down,
     )
     w.telemetry_interval = args.telemetry_interval
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers
@@ -527,9 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     debug_server.install(w)  # breakpoint() / pdb.set_trace() prompt in the notebook
     fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
     log_fd = os.environ.pop("MONARCH_LOG_FD", "")
+    passive = os.environ.pop("MONARCH_OUTPUT_PIPES", "") == "controller"
     read_fds = tuple(int(x) for x in fds.split(",")) if fds else None
     w.capture = FdCapture(w._on_output, read_fds=read_fds,  # type: ignore[arg-type]
-                          log_fd=int(log_fd) if log_fd else None)
+                          log_fd=int(log_fd) if log_fd else None, passive=passive)
     logging.getLogger().handlers[0].setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
     from . import display

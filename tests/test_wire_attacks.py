@@ -601,7 +601,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
 
     addr = _non_loopback_address()
     token = "tok" + secrets.token_hex(8)
-    m = spawn_procs(2, bind=addr)
+    m = spawn_procs(2, bind=addr, timeout=30)
     try:
         ctl = m.controller
         assert ctl.address.startswith(f"tcp://{addr}:")
@@ -609,7 +609,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
         assert ctl.router.getsockopt(zmq.CURVE_SERVER) == 1
         for pl in m.launcher.placements().values():
             cmd = psutil.Process(pl.pid).cmdline()
-            assert cmd[cmd.index("--curve-server-key") + 1] == ctl.curve_public_key.decode()
+            assert f"--curve-server-key={ctl.curve_public_key.decode()}" in cmd
         data, packets = _sniff_a_cell(m, token)
         assert packets > 0
         assert token.encode() not in data, "mesh traffic beyond loopback travels in clear"
@@ -618,7 +618,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
         m.stop()
     assert "NOT encrypted" not in capfd.readouterr().err
 
-    m = spawn_procs(2, bind=addr, encrypt=False)
+    m = spawn_procs(2, bind=addr, encrypt=False, timeout=30)
     try:
         err = capfd.readouterr().err
         assert "warning" in err and "NOT encrypted" in err and addr in err, err
@@ -642,7 +642,7 @@ def test_encrypted_controller_refuses_plain_and_wrongly_keyed_clients(caplog):
     from monarch_kernel.procmesh import spawn_procs
 
     caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
-    m = spawn_procs(1, bind=_non_loopback_address())
+    m = spawn_procs(1, bind=_non_loopback_address(), timeout=30)
     ctx = zmq.Context()
     try:
         ctl = m.controller
@@ -670,7 +670,7 @@ def test_encrypted_controller_refuses_plain_and_wrongly_keyed_clients(caplog):
 def test_wildcard_bind_listens_everywhere_encrypted():
     from monarch_kernel.procmesh import spawn_procs
 
-    m = spawn_procs(2, bind="0.0.0.0")
+    m = spawn_procs(2, bind="0.0.0.0", timeout=30)
     try:
         ctl = m.controller
         port = int(ctl.address.rsplit(":", 1)[1])

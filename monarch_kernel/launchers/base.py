@@ -50,6 +50,8 @@ class LaunchSpec:
     env: dict[int, dict[str, str]] = field(default_factory=dict)
     heartbeat: float = 1.0
     controller_pid: int | None = None
+    #: the controller's second endpoint, for controller -> worker traffic
+    down_address: str = ""
     #: the controller's CurveZMQ public key (Z85), when traffic is encrypted
     curve_server_key: bytes | None = None
     telemetry_interval: float = 1.0
@@ -86,8 +88,11 @@ def worker_command(spec: LaunchSpec, rank: int | None = None, python: str | None
         cmd += ["--rank", str(rank)]
     if spec.controller_pid is not None:
         cmd += ["--controller-pid", str(spec.controller_pid)]
+    if spec.down_address:
+        cmd += ["--controller-down", spec.down_address]
     if spec.curve_server_key:  # a public key: fine on a command line
-        cmd += ["--curve-server-key", spec.curve_server_key.decode()]
+        # "=": a Z85 key may start with "-", which argparse would take for an option
+        cmd += [f"--curve-server-key={spec.curve_server_key.decode()}"]
     return cmd
 
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import threading
+from typing import Any
 
 from .base import (
     Launcher,
@@ -34,6 +35,9 @@ class LocalLauncher(Launcher):
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
         self.pipes: dict[int, tuple[int, int]] = {}
+        #: set by the controller: callable(rank, stdout_fd, stderr_fd) taking the
+        #: read ends of each new worker's output pipes
+        self.on_pipes: Any = None
         self._reported: set[int] = set()
         self._lock = threading.Lock()
         self.host = socket.gethostname()
@@ -46,17 +50,24 @@ class LocalLauncher(Launcher):
         for rank in spec.ranks:
             env = dict(base)
             env.update(spec.env.get(rank, {}))
-            # fds 1 and 2 of the worker are pipes whose read ends both sides keep:
-            # the worker reads them while it lives, we read what is left if it dies
+            # fds 1 and 2 of the worker are pipes. With a controller to hand them to
+            # (on_pipes), only the controller reads them: nothing a rank wrote is lost
+            # in the worker when it dies. Otherwise both sides keep the read ends: the
+            # worker reads them while it lives, we read what is left if it dies.
             r1, w1 = os.pipe()
             r2, w2 = os.pipe()
             log_fd = os.dup(2)
-            env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
             env["MONARCH_LOG_FD"] = str(log_fd)
+            if self.on_pipes is not None:
+                env["MONARCH_OUTPUT_PIPES"] = "controller"
+                keep: tuple[int, ...] = (log_fd,)
+            else:
+                env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
+                keep = (r1, r2, log_fd)
             try:
                 proc = subprocess.Popen(
                     worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
-                    stdout=w1, stderr=w2, pass_fds=(r1, r2, log_fd), start_new_session=True,
+                    stdout=w1, stderr=w2, pass_fds=keep, start_new_session=True,
                 )
             finally:
                 os.close(w1)
@@ -71,8 +82,11 @@ class LocalLauncher(Launcher):
                     old.wait(5)
                 self._close_pipes(rank)
                 self.procs[rank] = proc
-                self.pipes[rank] = (r1, r2)
                 self._reported.discard(rank)
+                if self.on_pipes is None:
+                    self.pipes[rank] = (r1, r2)
+            if self.on_pipes is not None:
+                self.on_pipes(rank, r1, r2)  # the controller owns (and closes) them now
 
     def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
         """What a dead rank wrote that its own reader never forwarded."""
