@@ -207,8 +207,9 @@ class Supervisor:
         root = self.mesh.root
         try:
             done = _relaunch(root, ranks, 120, self._notify)
-            self._notify(f"rank{'s' if len(done) > 1 else ''} "
-                         f"{','.join(map(str, done))} restarted")
+            from .errors import _ranks_label
+
+            self._notify(f"{_ranks_label(done)} restarted")
         except Exception as e:  # noqa: BLE001 - reported, and the ranks stay dead
             if not root._stopped:
                 self._notify(f"restarting ranks {ranks} failed: {e}")

@@ -91,6 +91,7 @@ REQUEST_ACTIVITY = {
     "spawn_actor": "starting an actor",
     "stop_actor": "stopping an actor",
     "stop": "stopping",
+    "ref": "working on a tensor handle",
 }
 
 
@@ -147,7 +148,7 @@ def current_activity() -> str:
 
 def request_activity(msg_type: str) -> str:
     """The activity shown while the main thread handles request ``msg_type``."""
-    return REQUEST_ACTIVITY.get(msg_type, msg_type)
+    return REQUEST_ACTIVITY.get(msg_type, f"handling {msg_type}")
 
 
 # ----------------------------------------------------------------------- GPU

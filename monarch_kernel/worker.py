@@ -333,7 +333,16 @@ class Worker:
             from .debug.server import cut_debugger_frames
 
             tb = cut_debugger_frames(tb)
-        text = "".join(traceback.format_exception(type(e), e, tb)) if with_traceback else ""
+            if not e.args:
+                e.args = ("interrupted",)
+        text = ""
+        if with_traceback:
+            # this module's frames (e.g. the SIGINT handler that raised) are not the user's
+            frames = [f for f in traceback.extract_tb(tb) if f.filename != __file__]
+            text = "".join(["Traceback (most recent call last):\n",
+                            *traceback.format_list(frames),
+                            *traceback.format_exception_only(type(e), e)]) if frames else \
+                "".join(traceback.format_exception_only(type(e), e))
         exc: BaseException | None = e
         try:
             from . import serialize

@@ -23,7 +23,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from ..controller import Request
 from ..debug.console import report_quits
 from ..debug.registry import registry_for
-from ..errors import MeshError, MonarchError, RankSpecError
+from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
 from ..launchers import get_launcher
 from ..mesh import ValueMesh, parse_ranks
 from ..output import RankPrinter
@@ -37,6 +37,7 @@ MAX_LOCAL_RANKS = 1024
 
 USAGE = """\
 %mesh spawn N|HxP [--dist gloo|nccl|none] [--launcher local|slurm] [--bind ADDR] [--name mesh]
+    [--restart never|on-failure] [--max-restarts K] [--heartbeat S] [--telemetry-interval S]
     Slurm: [--partition P] [--time T] [--account A] [--gpus-per-node G] [--nodes N] [--sbatch ARGS]
 %%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
 %mesh push NAME [NAME ...]                   copy notebook variables to every rank
@@ -45,7 +46,7 @@ r = %mesh ref NAME                           a handle to NAME; the values stay o
 %mesh show REF|NAME [--values K]             per rank: type, shape, dtype, device, K values
 %mesh status                                 rank, host, pid, state, cpu, memory, gpu
 %mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
-%mesh restart RANKS                          replace ranks with fresh processes
+%mesh restart RANKS                          replace ranks (3, 1,2, 0:4, all) with fresh processes
 %mesh debug [--wait S] [--post-mortem RANK]  console for paused ranks (breakpoint() on ranks)
 %mesh stop [--all]                           stop the mesh's workers"""
 
@@ -411,9 +412,11 @@ class MeshMagics(Magics):
         printer.close()
         if interrupted is not None:
             if killed:
-                print(f"ranks {killed} ignored the interrupt and were killed", file=sys.stderr)
+                print(f"{_ranks_label(killed)} ignored the interrupt and "
+                      f"{'was' if len(killed) == 1 else 'were'} killed", file=sys.stderr)
             if reason != "interrupted":
-                print(f"%%mesh {reason}; ranks {req.ranks} were interrupted", file=sys.stderr)
+                print(f"%%mesh {reason}; {_ranks_label(req.ranks)} "
+                      f"{'was' if len(req.ranks) == 1 else 'were'} interrupted", file=sys.stderr)
 
     def _interrupt(self, m: ProcMesh, req: Request, first: float | None, killed: list[int],
                    reason: str) -> float:
