@@ -34,7 +34,8 @@ _EXPORTS = {
 __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
     "Shape", "Point", "ValueMesh", "ProcMesh", "spawn_procs", "this_host", "HostMesh",
     "Actor", "ActorMesh", "endpoint", "Future", "current_rank", "current_size",
-    "Ref", "device_mesh", "MonarchError", "MeshError", "MeshFailure", "RemoteError", "ActorError", "ProtocolError",
+    "Ref", "device_mesh",
+    "MonarchError", "MeshError", "MeshFailure", "RemoteError", "ActorError", "ProtocolError",
     "SerializationError", "TransportError",
 ]
 

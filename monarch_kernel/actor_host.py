@@ -441,7 +441,8 @@ class PeerHost:
         if not oneway:
             req = Request(mid, ranks)
             if names:
-                req.add_done_callback(lambda _r: self.codec.release_shm(names))
+                req.add_done_callback(lambda r: self.codec.release_shm(
+                    names, discard=r.failure is not None))
             with self._lock:
                 self.pending[mid] = req
         for r in ranks:

@@ -1,19 +1,23 @@
 """The controller: registry, routing, heartbeats and supervision of one mesh.
 
 A :class:`Controller` lives in the kernel process (or in the script that
-drives a mesh). It binds one ZeroMQ ROUTER socket; every worker connects a
-DEALER whose routing identity is ``r<rank>.<random>``; the controller routes
-to the identity that carried the rank's signed ``hello`` and drops messages
-from any other connection. Requests carry a message id;
-replies, output and rich display carry that id as their parent and are
-routed to the :class:`Request` that is waiting for them.
+drives a mesh). It binds two ZeroMQ ROUTER sockets: ``router`` (worker ->
+controller, read by the I/O thread only) and ``router_down`` (controller ->
+worker, never read; any thread sends on it under ``_down_lock``, so a request
+leaves without a hand-off). Every worker connects a DEALER to each, with one
+routing identity ``r<rank>.<random>``; the controller routes to the identity
+that carried the rank's signed ``hello`` and drops messages from any other
+connection. Requests carry a message id; replies, output and rich display
+carry that id as their parent and are routed to the :class:`Request` that is
+waiting for them.
 
-One I/O thread owns the ROUTER socket. It forwards outgoing frames that
-other threads queue through an :class:`~monarch_kernel.transport.Outbox`,
-sends heartbeats, and watches the workers: a local worker's exit is seen
-through its process within ~0.1 s, a remote worker's after three missed
-heartbeats. A dead rank fails every request waiting on it with
-:class:`~monarch_kernel.errors.MeshFailure`.
+The I/O thread reads ``router`` and the stdout/stderr pipes of local workers
+(their output, read before each of their replies), sends heartbeats, and
+watches the workers: a local worker's exit is seen through its process
+within ~0.1 s, a remote worker's after three missed heartbeats. A dead rank
+fails every request waiting on it with
+:class:`~monarch_kernel.errors.MeshFailure`. Request callbacks run on the
+I/O thread, outside the controller's lock; they must not block.
 """
 
 from __future__ import annotations
@@ -248,16 +252,19 @@ class Controller:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
                 if info.down:
-                    self._send_down(info.identity, frames)
+                    on_io_thread = threading.current_thread() is self._thread
+                    if not self._send_down(info.identity, frames,
+                                           retry=0.0 if on_io_thread else 2.0):
+                        raise TransportError(f"cannot send to rank {r}: it is not connected")
                 else:
                     self.outbox.send([info.identity, *frames])
 
     def _send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
         """Send on the second socket; a worker whose second connection is not
         attached yet (just after its hello) is retried for ``retry`` seconds."""
-        deadline = None
-        while True:
-            with self._down_lock:
+        deadline = time.monotonic() + retry
+        with self._down_lock:  # held while retrying: nothing overtakes this message
+            while True:
                 if self._closed.is_set():
                     return False
                 try:
@@ -267,12 +274,10 @@ class Controller:
                     if e.errno != zmq.EHOSTUNREACH:
                         log.debug("cannot send to %r: %s", ident, e)
                         return False
-            now = time.monotonic()
-            deadline = deadline or now + retry
-            if now > deadline:
-                log.debug("no second connection from %r", ident)
-                return False
-            time.sleep(0.001)
+                if time.monotonic() > deadline:
+                    log.debug("no second connection from %r", ident)
+                    return False
+                time.sleep(0.001)
 
     def request(self, ranks: Iterable[int], type: str, content: Any = None) -> Request:
         """Send one request to ``ranks`` and return the :class:`Request` to wait on.
@@ -308,7 +313,8 @@ class Controller:
                                    shm_out=names)
         req = Request(mid, ranks)
         if names:  # remove the shared-memory files once every rank answered
-            req.add_done_callback(lambda _r, names=names: self.codec.release_shm(names))
+            req.add_done_callback(lambda r, names=names: self.codec.release_shm(
+                names, discard=r.failure is not None))
         with self._lock:
             self.pending[req.id] = req
             for r in ranks:
@@ -486,52 +492,66 @@ class Controller:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         last_beat = last_check = time.monotonic()
-        beat = self.codec.encode("heartbeat")
         try:
             while not self._closed.is_set():
-                if self._new_pipes:
-                    self._register_pipes(poller)
-                events = dict(poller.poll(50))
-                for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
-                    self._read_pipe(self._pipes[fd], poller)
-                if self.pull in events:
-                    for frames in drain(self.pull):
-                        if len(frames) == 1:  # a wake-up (adopt_pipes)
-                            continue
-                        try:
-                            self.router.send_multipart(frames, copy=False)
-                        except zmq.ZMQError as e:  # host unreachable: the rank is gone
-                            log.debug("cannot send to %r: %s", frames[0].bytes, e)
-                if self.router in events:
-                    for frames in drain(self.router):
-                        try:
-                            self._receive(frames)
-                        except Exception:
-                            log.exception("the controller dropped a message it could not handle")
+                try:
+                    self._io_step(poller, last_check, last_beat)
+                except Exception:  # one bad step (a user's on_output, ...) must not stop I/O
+                    log.exception("the controller I/O thread hit an error; going on")
                 now = time.monotonic()
                 if now - last_check >= 0.05:
                     last_check = now
-                    self._check_ranks(now)
                 if now - last_beat >= self.heartbeat:
                     last_beat = now
-                    beat = self.codec.encode("heartbeat")
-                    for r, info in list(self.ranks.items()):
-                        if info.state not in ("dead", "stopped", "starting") and info.identity:
-                            if info.down:
-                                self._send_down(info.identity, beat, retry=0)
-                                continue
-                            try:
-                                self.router.send_multipart([info.identity, *beat])
-                            except zmq.ZMQError:
-                                pass
-        except Exception:
+        except BaseException:
             log.exception("the controller I/O thread failed")
         finally:
+            with self._lock:
+                pending = list(self.pending.values())
+                self.pending.clear()
+            for req in pending:  # nothing will answer them now
+                req._fail(MeshFailure("the mesh's controller stopped"))
             for fd in list(self._pipes):
                 os.close(fd)
             self._pipes.clear()
             self.router.close(0)
             self.pull.close(0)
+
+    def _io_step(self, poller: zmq.Poller, last_check: float, last_beat: float) -> None:
+        """One turn of the I/O loop: pipes, outbox, incoming messages, checks, beats."""
+        if self._new_pipes:
+            self._register_pipes(poller)
+        events = dict(poller.poll(50))
+        for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
+            self._read_pipe(self._pipes[fd], poller)
+        if self.pull in events:
+            for frames in drain(self.pull):
+                if len(frames) == 1:  # a wake-up (adopt_pipes)
+                    continue
+                try:
+                    self.router.send_multipart(frames, copy=False)
+                except zmq.ZMQError as e:  # host unreachable: the rank is gone
+                    log.debug("cannot send to %r: %s", frames[0].bytes, e)
+        if self.router in events:
+            for frames in drain(self.router):
+                try:
+                    self._receive(frames)
+                except Exception:
+                    log.exception("the controller dropped a message it could not handle")
+        now = time.monotonic()
+        if now - last_check >= 0.05:
+            self._check_ranks(now)
+        if now - last_beat >= self.heartbeat:
+            beat = self.codec.encode("heartbeat")
+            for info in list(self.ranks.values()):
+                if info.state not in ("dead", "stopped", "starting") and info.identity:
+                    if info.down:
+                        self._send_down(info.identity, beat, retry=0)
+                        continue
+                    try:
+                        self.router.send_multipart([info.identity, *beat])
+                    except zmq.ZMQError:
+                        pass
 
     def _check_ranks(self, now: float) -> None:
         if self.stopping:
@@ -560,7 +580,7 @@ class Controller:
 
     def _receive(self, frames: list[Any]) -> None:
         try:
-            msg = self.codec.decode(frames, router=True)
+            msg = self.codec.decode(frames, router=True, lazy=True)
         except ProtocolError as e:
             log.warning("the controller dropped a message: %s", e)
             return
@@ -584,19 +604,33 @@ class Controller:
             return
         if t == "reply":
             self._drain_pipes(rank)  # its output comes before its reply
+            try:
+                c = msg.content
+                status, value = c["status"], c["value"]
+            except (ProtocolError, KeyError, TypeError) as e:
+                # a signed reply that does not unpickle here (a CUDA tensor on a host
+                # without GPU, an exception class only the workers have): an error
+                # reply, never a request that waits forever
+                status, value = "error", {
+                    "type": "monarch_kernel.errors.SerializationError", "traceback": "",
+                    "message": f"the reply of rank {rank} cannot be decoded here: {e}",
+                    "exc": None}
+            finished = None
             with self._lock:
                 req = self.pending.get(msg.parent or "")
-                if req is not None:
-                    c = msg.content
-                    if req._reply_pending(rank):
-                        if req._reply(rank, c["status"], c["value"]):
-                            self.pending.pop(req.id, None)
-                        elif req.failure is not None:
-                            self._retire_if_settled(req)
+                if req is not None and req._reply_pending(rank):
+                    req.replies[rank] = (status, value)
+                    if len(req.replies) >= len(req.ranks):
+                        self.pending.pop(req.id, None)
+                        finished = req
+                    elif req.failure is not None:
+                        self._retire_if_settled(req)
                 if info.state == "busy" and not any(
                     rank in q.ranks and rank not in q.replies for q in self.pending.values()
                 ):
                     info.state = "idle"
+            if finished is not None:
+                finished._finish()  # callbacks run outside the controller's lock
             return
         if t == "stream":
             c = msg.content

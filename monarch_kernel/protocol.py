@@ -29,6 +29,7 @@ import collections
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import threading
@@ -38,6 +39,8 @@ from typing import Any
 from . import serialize
 from . import shm as _shm
 from .errors import ProtocolError
+
+log = logging.getLogger("monarch_kernel.protocol")
 
 __all__ = ["MAGIC", "TYPES", "VERSION", "Codec", "Message", "new_key"]
 
@@ -172,13 +175,17 @@ class Codec:
         #: reusable shared-memory files for requests to this host (set by owners)
         self.pool: _shm.Pool | None = None
 
-    def release_shm(self, names: list[str]) -> None:
-        """Give back shared-memory files of a request whose receivers answered."""
+    def release_shm(self, names: list[str], discard: bool = False) -> None:
+        """Give back shared-memory files of a finished request.
+
+        With ``discard`` (the request failed: a receiver may not have read its
+        file yet) pooled files are removed rather than reused, so nobody can
+        read another request's bytes from them.
+        """
         for n in names:
-            if self.pool is not None and n in self.pool._busy:
-                self.pool.release(n)
-            else:
-                _shm.unlink(n)
+            if self.pool is not None and self.pool.release(n, discard=discard):
+                continue
+            _shm.unlink(n)
 
     def fork(self, sender: str) -> Codec:
         """A codec with the same key and limits, a new sender name, its own
@@ -244,16 +251,23 @@ class Codec:
             if big:
                 buffers = list(buffers)
                 for i in big:
-                    sb = self.pool.put(buffers[i]) if shm == "sender" and self.pool else None
-                    if sb is not None:
-                        mode = "p"
-                    else:
-                        sb = _shm.create(buffers[i])
-                        mode = "1" if shm == "receiver" else "0"
+                    try:
+                        sb = self.pool.put(buffers[i]) if shm == "sender" and self.pool else None
+                        if sb is not None:
+                            mode = "p"
+                        else:
+                            sb = _shm.create(buffers[i])
+                            mode = "1" if shm == "receiver" else "0"
+                    except OSError as e:  # /dev/shm full or missing: send the bytes in-band
+                        log.info("shared memory unavailable (%s); sending %d bytes in-band",
+                                 e, buffers[i].nbytes)
+                        continue
                     if shm_out is not None and mode != "1":
                         shm_out.append(sb.name)
                     buffers[i] = sb.descriptor(mode)
-                head["sh"] = big
+                big = [i for i in big if not isinstance(buffers[i], memoryview)]
+                if big:
+                    head["sh"] = big
         header = json.dumps(head, separators=(",", ":")).encode()
         sig = self._sign([header, payload, *buffers])
         return [MAGIC, sig, header, payload, *buffers]

@@ -98,7 +98,7 @@ class Pool:
             with _lock:
                 _created.add(name)
             try:
-                os.ftruncate(fd, n)
+                _allocate(fd, n)
                 mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             finally:
                 os.close(fd)
@@ -108,11 +108,16 @@ class Pool:
             self._busy[seg[0]] = seg
         return ShmBuffer(seg[0], n)
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, discard: bool = False) -> bool:
+        """Return a file to the pool (``discard``: remove it). False if not ours."""
         with self._lock:
             seg = self._busy.pop(name, None)
-            if seg is not None:
+            if seg is not None and not discard:
                 self._free.append(seg)
+        if seg is not None and discard:
+            seg[2].close()
+            unlink(name)
+        return seg is not None
 
     def close(self) -> None:
         with self._lock:
@@ -138,7 +143,7 @@ def create(view: memoryview) -> ShmBuffer:
     with _lock:
         _created.add(name)
     try:
-        os.ftruncate(fd, n)
+        _allocate(fd, n)
         with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as mm:
             mm[:] = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     except BaseException:
@@ -147,6 +152,15 @@ def create(view: memoryview) -> ShmBuffer:
         raise
     os.close(fd)
     return ShmBuffer(name, n)
+
+
+def _allocate(fd: int, n: int) -> None:
+    """Reserve ``n`` bytes for real (``ftruncate`` alone would let a full /dev/shm
+    kill the writer with SIGBUS; this raises OSError ENOSPC instead)."""
+    if n and hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, n)
+    else:
+        os.ftruncate(fd, n)
 
 
 def parse(frame: memoryview) -> tuple[str, int, bool]:
@@ -171,8 +185,9 @@ _MAX_MAPS = 16
 def open_buffer(name: str, nbytes: int, mode: str) -> memoryview:
     """The bytes of a shared-memory file, for the receiver.
 
-    ``mode`` "p" (pooled): copied out of a cached mapping into new memory. Otherwise the file is mapped copy-on-write and the view
-    keeps the mapping alive; with "1" the file is removed at once.
+    ``mode`` "p" (pooled): copied out of a cached mapping into new memory.
+    Otherwise the file is mapped copy-on-write and the view keeps the mapping
+    alive; with "1" the file is removed at once.
 
     Raises
     ------

@@ -1,14 +1,15 @@
 """ZeroMQ sockets, and the mapping of ``zmq.ZMQError`` to :mod:`errors`.
 
-Two patterns are used everywhere:
+ZeroMQ sockets are not thread-safe; two patterns keep them safe here:
 
-* one thread (the I/O thread) owns each network socket (ROUTER on the
-  controller, DEALER on a worker) and is the only one to poll, receive or
-  send on it;
-* every other thread hands outgoing frames to the I/O thread through an
-  :class:`Outbox`: one ``inproc://`` PUSH socket guarded by a lock, so that
-  messages from all threads keep one order (a reply never overtakes the
-  output that preceded it).
+* a socket that is read is owned by one thread (an I/O thread), the only
+  one to poll or receive on it;
+* a socket that is only written (the controller's ``router_down``, a
+  worker's ``up`` connection) is written by any thread under one lock, so
+  messages from all threads keep one order; where a read socket must also
+  be written by other threads (actor peer sockets), they hand frames to its
+  I/O thread through an :class:`Outbox` (an ``inproc://`` PUSH socket
+  guarded by a lock).
 
 Sockets are closed with ``linger=0`` (as in pyzmq's own tests). Bound to
 loopback, traffic is signed (see :mod:`protocol`) but not encrypted; bound to

@@ -7,12 +7,13 @@ main
     ``push``, ``pull``, distributed set-up, actor construction. User code
     runs here, so signals (interrupts) reach it.
 I/O (``monarch-io``)
-    Owns the DEALER socket: receives and verifies messages, forwards
-    outgoing ones, sends heartbeats, and exits the process when the
-    controller is gone (its pid vanished, or no heartbeat for
-    ``--heartbeat-timeout`` seconds).
+    Owns the receiving DEALER (``dealer``): verifies messages and routes
+    them, sends heartbeats, and exits the process when the controller is
+    gone (its pid vanished, or no heartbeat for ``--heartbeat-timeout``
+    seconds). Any thread sends on the second DEALER (``up``) under a lock.
 capture (``monarch-capture``)
-    Forwards what user code writes to fds 1 and 2, live.
+    Forwards what user code writes to fds 1 and 2, live -- only for remote
+    workers; a local worker's fds are pipes the controller reads itself.
 actors
     One thread per actor (see :mod:`monarch_kernel.actor`): an actor handles
     one message at a time, different actors run concurrently.
@@ -213,6 +214,9 @@ class Worker:
                         self.rank, now - last_heard,
                     )
                     _exit(0)
+        except BaseException:  # without this thread the rank is deaf: leave, loudly
+            log.exception("rank %d: the I/O thread failed; exiting", self.rank)
+            _exit(1)
         finally:
             self.dealer.close(0)
             self.pull.close(0)
@@ -284,17 +288,23 @@ class Worker:
         telemetry.set_activity(telemetry.request_activity(msg.type))
         status, value = "ok", None
         try:
-            if handler is None:
-                raise ValueError(f"unknown request type {msg.type!r}")
-            value = handler(msg.content)
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-            if isinstance(e, Exception) and type(e).__name__ != "BdbQuit":
-                # kept for `%mesh debug --post-mortem` (describe_failure clears it)
-                self.last_exception, self.last_traceback = e, e.__traceback__
-            status, value = "error", self.describe_failure(e)
-        finally:
-            self.busy = False
-            telemetry.set_activity(None)
+            try:
+                if handler is None:
+                    raise ValueError(f"unknown request type {msg.type!r}")
+                value = handler(msg.content)
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+                if isinstance(e, Exception) and type(e).__name__ != "BdbQuit":
+                    # kept for `%mesh debug --post-mortem` (describe_failure clears it)
+                    self.last_exception, self.last_traceback = e, e.__traceback__
+                status, value = "error", None
+                value = self.describe_failure(e)
+            finally:
+                self.busy = False
+                telemetry.set_activity(None)
+        except KeyboardInterrupt:  # an interrupt that landed just after the work ended
+            if status == "error" and value is None:
+                value = {"type": "KeyboardInterrupt", "message": "interrupted",
+                         "traceback": "", "exc": None}
         names = msg.content.get("names") if msg.type == "pull" and status == "ok" else None
         self.reply(msg.id, status, value, names)
 

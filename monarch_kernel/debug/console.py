@@ -576,4 +576,6 @@ def _plural(ranks: list[int]) -> str:
 
 def _ranks_text(sessions: list[DebugSession]) -> str:
     ranks = sorted({s.rank for s in sessions})
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({_compact_ranks(ranks)})"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"{len(ranks)} ranks ({_compact_ranks(ranks)})"
