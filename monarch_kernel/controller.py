@@ -56,6 +56,7 @@ class RankInfo:
     state: str = "starting"  # starting, idle, busy, dead, stopped
     exitcode: int | None = None
     last_heard: float = field(default_factory=time.monotonic)
+    hello_at: float = 0.0  # monotonic time of the rank's hello
     last_lines: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=20)
     )
@@ -252,9 +253,13 @@ class Controller:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
                 if info.down:
-                    on_io_thread = threading.current_thread() is self._thread
-                    if not self._send_down(info.identity, frames,
-                                           retry=0.0 if on_io_thread else 2.0):
+                    # just after its hello, a rank's second connection may not be
+                    # attached yet: wait for it then (never on the I/O thread, never
+                    # while stopping)
+                    fresh = time.monotonic() - info.hello_at < 5.0
+                    wait = (fresh and not self.stopping
+                            and threading.current_thread() is not self._thread)
+                    if not self._send_down(info.identity, frames, retry=2.0 if wait else 0.0):
                         raise TransportError(f"cannot send to rank {r}: it is not connected")
                 else:
                     self.outbox.send([info.identity, *frames])
@@ -332,8 +337,11 @@ class Controller:
         """Send a one-way message (no reply expected) to ``ranks``."""
         ranks = [r for r in ranks if self.ranks.get(r) and self.ranks[r].state
                  not in ("dead", "stopped")]
-        if ranks:
-            self._send(ranks, self.codec.encode(type, content))
+        if ranks and not self.stopping:
+            try:
+                self._send(ranks, self.codec.encode(type, content))
+            except TransportError as e:  # one-way: a rank that went away misses it
+                log.debug("a one-way %r message was not delivered: %s", type, e)
 
     # ------------------------------------------------------------- registry
     def expect(self, ranks: Iterable[int], local: bool = True) -> None:
@@ -659,6 +667,7 @@ class Controller:
                 c = msg.content
                 info.host, info.pid = c["host"], c["pid"]
                 info.down = bool(c.get("down"))
+                info.hello_at = time.monotonic()
                 if info.state == "starting":
                     info.state = "idle"
                 self._hello.notify_all()
