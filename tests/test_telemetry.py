@@ -43,7 +43,7 @@ def test_activity_per_thread_and_paused_wins():
         telemetry.set_activity(None)
     assert telemetry.current_activity() == "idle"
     assert telemetry.request_activity("execute") == "running cell"
-    assert telemetry.request_activity("frobnicate") == "frobnicate"
+    assert telemetry.request_activity("frobnicate") == "handling frobnicate"
 
 
 # ------------------------------------------------------------------ sampler
