@@ -556,10 +556,10 @@ class _Output:
         q = self.req.events
         if self.printer is None and q.empty():
             return
-        from .output import RankPrinter
+        from .output import RankPrinter, write_stream
 
         if self.printer is None:
-            self.printer = RankPrinter(_write)
+            self.printer = RankPrinter(write_stream)
         while True:
             try:
                 ev = q.get_nowait()
@@ -577,12 +577,6 @@ class _Output:
             self.printer.close()
         else:
             self.printer.flush_lines()
-
-
-def _write(name: str, text: str) -> None:
-    stream = sys.stdout if name == "stdout" else sys.stderr
-    stream.write(text)
-    stream.flush()
 
 
 def _display(rank: int, content: dict[str, Any]) -> None:

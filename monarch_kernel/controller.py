@@ -74,7 +74,6 @@ class Controller:
         self.codec.pool = shm.Pool()
         self.heartbeat = heartbeat
         self.on_output = on_output
-        self.on_event: Callable[[int, Any], None] | None = None
         self.ctx = zmq.Context()
         if encrypt is None:
             encrypt = not is_loopback(bind)
@@ -553,8 +552,6 @@ class Controller:
                 self.unhandled.append(text)
                 log.warning("%s", text)
                 print(f"[monarch] {text}", file=sys.stderr, flush=True)
-            if self.on_event is not None:
-                self.on_event(rank, msg.content)
             self._notify_listeners("event", rank, msg.content)
             return
 

@@ -10,11 +10,20 @@ repeated.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from .errors import _compact
 
-__all__ = ["RankPrinter"]
+__all__ = ["RankPrinter", "write_stream"]
+
+
+def write_stream(name: str, text: str) -> None:
+    """Write ``text`` to this process's ``sys.stdout`` or ``sys.stderr`` (``name``)
+    and flush (in a kernel: one stream message)."""
+    stream = sys.stdout if name == "stdout" else sys.stderr
+    stream.write(text)
+    stream.flush()
 
 
 class RankPrinter:

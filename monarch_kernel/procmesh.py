@@ -308,25 +308,17 @@ class ProcMesh:
 
 def show_output(req: Request, timeout: float | None = None) -> bool:
     """Print ``req``'s rank-tagged output live until it is done; True if done."""
-    import queue
-    import sys
     import time
 
-    from .output import RankPrinter
+    from .output import RankPrinter, write_stream
 
-    def write(name: str, text: str) -> None:
-        stream = sys.stdout if name == "stdout" else sys.stderr
-        stream.write(text)
-        stream.flush()
-
-    printer = RankPrinter(write)
+    printer = RankPrinter(write_stream)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
             done = req.done()
-            try:
-                ev = req.events.get_nowait() if done else req.events.get(timeout=0.02)
-            except queue.Empty:
+            ev = req.next_event(0.02)
+            if ev is None:
                 printer.flush_lines()
                 if done:
                     return True

@@ -95,7 +95,6 @@ class Request:
         self.events: queue.Queue[tuple] = queue.Queue()
         self.failure: MeshFailure | None = None
         self.failed_at: float | None = None  # monotonic time a rank's death failed it
-        self.aborted = False  # the other ranks were interrupted after the failure
         self._done = threading.Event()
         self._callbacks: list[Callable[[Request], None]] = []
         self._lock = threading.Lock()
@@ -134,6 +133,16 @@ class Request:
             self._finish()
             return True
         return False
+
+    def next_event(self, timeout: float) -> tuple | None:
+        """The next event, waiting up to ``timeout`` seconds while the request
+        runs (not at all once it is done); None when there is none."""
+        try:
+            if self.done():
+                return self.events.get_nowait()
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def _reply_pending(self, rank: int) -> bool:
         return rank in self.ranks and rank not in self.replies

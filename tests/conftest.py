@@ -10,9 +10,7 @@ import pytest
 from monarch_kernel.testing import KernelSession, worker_pids
 
 
-@pytest.fixture
-def kernel():
-    """A fresh monarch kernel (shut down afterwards; its workers must be gone)."""
+def _kernel_session():
     ks = KernelSession()
     try:
         yield ks
@@ -20,18 +18,18 @@ def kernel():
         pid = ks.pid
         ks.shutdown()
         _assert_no_workers(pid)
+
+
+@pytest.fixture
+def kernel():
+    """A fresh monarch kernel (shut down afterwards; its workers must be gone)."""
+    yield from _kernel_session()
 
 
 @pytest.fixture(scope="module")
 def shared_kernel():
     """One monarch kernel for a whole test module (faster; tests must not break it)."""
-    ks = KernelSession()
-    try:
-        yield ks
-    finally:
-        pid = ks.pid
-        ks.shutdown()
-        _assert_no_workers(pid)
+    yield from _kernel_session()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ says what to do, and the kernel stays usable.
 from __future__ import annotations
 
 import argparse
-import queue
 import re
 import shlex
 import signal
@@ -26,7 +25,7 @@ from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
 from ..launchers import get_launcher
 from ..mesh import ValueMesh, parse_ranks
-from ..output import RankPrinter
+from ..output import RankPrinter, write_stream
 from ..procmesh import ProcMesh, spawn_procs
 from .debug_bridge import cell_console, debug_command  # also serves paused actor calls
 
@@ -385,7 +384,7 @@ class MeshMagics(Magics):
         bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
         self._wait(m, req, a.timeout)
-        report_quits(req, lambda text: self._write("stderr", text))  # pdb `q` is no failure
+        report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)
         if all(v is None for v in vm.values()):
             return None
@@ -394,7 +393,7 @@ class MeshMagics(Magics):
     def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
         self._progress_cell = getattr(self, "_progress_cell", 0) + 1
-        printer = RankPrinter(self._write, on_progress=self._progress)
+        printer = RankPrinter(write_stream, on_progress=self._progress)
         self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
         start = time.monotonic()
         interrupted: float | None = None
@@ -438,10 +437,8 @@ class MeshMagics(Magics):
         last_flush = time.monotonic()
         while True:
             done = req.done()
-            try:
-                # a finished request puts ("done",): no waiting out the timeout
-                ev = req.events.get_nowait() if done else req.events.get(timeout=0.02)
-            except queue.Empty:
+            ev = req.next_event(0.02)  # a finished request puts ("done",): no waiting
+            if ev is None:
                 printer.flush_lines()
                 last_flush = time.monotonic()
                 if done:
@@ -495,13 +492,6 @@ class MeshMagics(Magics):
                     transient={"display_id": f"monarch-progress-{id(self)}-{rank}-{name}-"
                                              f"{self._progress_cell}"},
                     update=not first)
-
-    @staticmethod
-    def _write(name: str, text: str) -> None:
-        stream = sys.stdout if name == "stdout" else sys.stderr
-        stream.write(text)
-        stream.flush()
-
 
 class _Timeout(Exception):
     pass
