@@ -352,8 +352,10 @@ class ActorMesh(Generic[A]):
         with rec.lock:
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
-        fut: Future[Any] = Future(pump=_Output(req) if _current_worker() is None else None,
-                                  guard=_self_call_guard(rec, ranks))
+        if _current_worker() is None:  # the controller's process: this thread reads its reply
+            fut: Future[Any] = Future(pump=_Output(req), waiter=rec.procmesh.controller.wait_for)
+        else:
+            fut = Future(guard=_self_call_guard(rec, ranks))
 
         def done(q: Request, pinned: tuple = (args, kwargs)) -> None:
             # ``pinned``: handles (tensors.Ref) among the arguments stay alive, so their
@@ -554,8 +556,8 @@ class _Output:
 
     def __call__(self, final: bool) -> None:
         q = self.req.events
-        if self.printer is None and q.empty():
-            return
+        if self.printer is None and (q.empty() or (final and q.qsize() == 1 and self.req.done())):
+            return  # nothing printed (at the end, only the "done" mark is left)
         from .output import RankPrinter, write_stream
 
         if self.printer is None:

@@ -33,7 +33,6 @@ import asyncio
 import linecache
 import logging
 import os
-import pickle
 import queue
 import secrets
 import socket
@@ -42,12 +41,21 @@ from typing import Any
 
 import zmq
 
-from . import serialize, telemetry
 from . import shm as _shm
+from . import telemetry
 from .controller import Request
 from .errors import MeshFailure, ProtocolError, SerializationError
 from .mesh import Point, Shape
-from .transport import Outbox, bind_router, connect_dealer, drain, inproc_pair, is_loopback
+from .serialize import Packed
+from .transport import (
+    Outbox,
+    bind_router,
+    connect_dealer,
+    drain,
+    inproc_pair,
+    is_loopback,
+    send_frames,
+)
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -66,33 +74,6 @@ __all__ = [
 context = threading.local()
 
 _ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
-
-
-class Packed:
-    """A value pickled by :func:`serialize.dumps`, carried inside a message.
-
-    Large buffers (arrays, tensors) and a large pickle stream stay out of
-    band: they travel as their own ZeroMQ frames, without copies.
-    """
-
-    __slots__ = ("buffers", "payload")
-
-    def __init__(self, payload: Any, buffers: list[Any] | tuple = ()) -> None:
-        self.payload = payload
-        self.buffers = buffers
-
-    @classmethod
-    def pack(cls, obj: Any) -> Packed:
-        """Pickle ``obj`` now (raises SerializationError)."""
-        return cls(*serialize.dumps(obj))
-
-    def unpack(self) -> Any:
-        """Unpickle (raises SerializationError)."""
-        return serialize.loads(self.payload, self.buffers)
-
-    def __reduce__(self) -> tuple:
-        return (Packed, (pickle.PickleBuffer(self.payload),
-                         [pickle.PickleBuffer(b) for b in self.buffers]))
 
 
 def register_sources(sources: dict[str, list[str]] | None) -> None:
@@ -489,7 +470,7 @@ class PeerHost:
         kind = frames[0].bytes
         try:
             if kind == b"r":
-                self.router.send_multipart(frames[1:], zmq.NOBLOCK, copy=False)
+                send_frames(self.router, frames[1:], zmq.NOBLOCK)
             else:
                 addr = frames[1].bytes.decode()
                 s = dealers.get(addr)
@@ -499,7 +480,7 @@ class PeerHost:
                                                        key.encode() or None)
                     socks.add(s)
                     poller.register(s, zmq.POLLIN)
-                s.send_multipart(frames[2:], zmq.NOBLOCK, copy=False)
+                send_frames(s, frames[2:], zmq.NOBLOCK)
             self.messages_out += 1
         except zmq.ZMQError as e:  # the peer is gone or not reading: never block here
             log.warning("rank %d dropped a message to a peer: %s", self.rank, e)

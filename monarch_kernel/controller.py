@@ -35,7 +35,7 @@ import zmq
 from . import protocol, shm
 from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
-from .transport import Outbox, bind_router, drain, inproc_pair, is_loopback
+from .transport import Outbox, bind_router, drain, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -109,6 +109,14 @@ class Controller:
         #: failures of meshes spawned by actors that no __supervise__ handled
         self.unhandled: list[str] = []
         self.listeners: list[Callable[[str, int, Any], None]] = []
+        # leader/follower state (see _io_loop)
+        self._lead = threading.Lock()
+        self._leader: int | None = None  # thread ident of a caller that leads
+        self._want = 0  # callers waiting to lead
+        self._want_lock = threading.Lock()
+        self._led_at = 0.0  # monotonic time a caller last stopped leading
+        self._poller: zmq.Poller | None = None
+        self._last_beat = self._last_check = time.monotonic()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
                                         daemon=True)
         self._thread.start()
@@ -139,7 +147,7 @@ class Controller:
                 if self._closed.is_set():
                     return False
                 try:
-                    self.router_down.send_multipart([ident, *frames], copy=False)
+                    send_frames(self.router_down, [ident, *frames])
                     return True
                 except zmq.ZMQError as e:
                     if e.errno != zmq.EHOSTUNREACH:
@@ -361,49 +369,124 @@ class Controller:
                 log.exception("a controller listener failed")
 
     # ------------------------------------------------------------ I/O thread
+    # Leader/follower: whoever holds ``_lead`` does the I/O duties (reads
+    # ``router``, the outbox and the pipes, checks ranks, sends heartbeats).
+    # The I/O thread leads by default; a thread that waits for a reply
+    # (``wait_for``) takes the lead and reads its reply itself, so a call
+    # costs no thread hand-off on this side (as in the leader/follower
+    # pattern of Schmidt et al., POSA2). The I/O thread steps back while a
+    # caller leads, and takes the lead again 10-15 ms after the last one (not at
+    # once: back-to-back calls then need no wake-up of this thread).
     def _io_loop(self) -> None:
-        poller = self._poller = zmq.Poller()
+        self._poller = poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
-        last_beat = last_check = time.monotonic()
+        self._last_beat = self._last_check = time.monotonic()
         try:
             while not self._closed.is_set():
-                try:
-                    self._io_step(poller, last_check, last_beat)
-                except Exception:  # one bad step (a user's on_output, ...) must not stop I/O
-                    log.exception("the controller I/O thread hit an error; going on")
-                now = time.monotonic()
-                if now - last_check >= 0.05:
-                    last_check = now
-                if now - last_beat >= self.heartbeat:
-                    last_beat = now
+                if self._want or time.monotonic() - self._led_at < 0.01:
+                    time.sleep(0.005)  # a caller leads, or led just now: let it go on
+                    continue
+                with self._lead:
+                    if not self._want:
+                        self._guarded_step(50)
         except BaseException:
             log.exception("the controller I/O thread failed")
         finally:
-            with self._lock:
-                pending = list(self.pending.values())
-                self.pending.clear()
-            for req in pending:  # nothing will answer them now
-                req._fail(MeshFailure("the mesh's controller stopped"))
-            for fd in list(self._pipes):
-                os.close(fd)
-            self._pipes.clear()
-            self.router.close(0)
-            self.pull.close(0)
+            with self._lead:
+                with self._lock:
+                    pending = list(self.pending.values())
+                    self.pending.clear()
+                for req in pending:  # nothing will answer them now
+                    req._fail(MeshFailure("the mesh's controller stopped"))
+                for fd in list(self._pipes):
+                    os.close(fd)
+                self._pipes.clear()
+                self.router.close(0)
+                self.pull.close(0)
 
-    def _io_step(self, poller: zmq.Poller, last_check: float, last_beat: float) -> None:
-        """One turn of the I/O loop: pipes, outbox, incoming messages, checks, beats."""
+    def _guarded_step(self, timeout_ms: int) -> None:
+        try:
+            self._io_step(self._poller, timeout_ms)
+        except Exception:  # one bad step (a user's on_output, ...) must not stop I/O
+            log.exception("the controller I/O hit an error; going on")
+
+    def wait_for(self, event: threading.Event, timeout: float | None = None) -> bool:
+        """Wait until ``event`` is set, doing the controller's I/O meanwhile.
+
+        The calling thread leads the I/O (see above) while it waits, so the
+        reply it waits for is read and handled in this thread. Falls back to
+        a plain wait when the controller is closed.
+
+        Parameters
+        ----------
+        event : threading.Event
+            Set by a done-callback of the request waited for.
+        timeout : float or None
+            Seconds; None waits as long as it takes.
+
+        Returns
+        -------
+        bool
+            True if ``event`` was set.
+        """
+        if event.is_set():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
+        if self._leader == me:  # nested (a callback waits): go on leading here
+            while not event.is_set() and not self._closed.is_set():
+                left = 0.05 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
+            return event.is_set()
+        with self._want_lock:
+            self._want += 1
+        try:
+            if not self._lead.acquire(blocking=False):
+                try:  # the I/O thread leaves its poll and steps back
+                    self.outbox.send([b""])
+                except TransportError:
+                    return event.wait(timeout)
+                left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._lead.acquire(timeout=left):
+                    return event.is_set()
+            try:
+                if self._closed.is_set() or self._poller is None:
+                    return event.wait(timeout)
+                self._leader = me
+                while not event.is_set():
+                    if self._closed.is_set():
+                        return event.wait(0 if deadline is None else
+                                          max(0.0, deadline - time.monotonic()))
+                    left = 0.05 if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
+                return True
+            finally:
+                self._leader = None
+                self._led_at = time.monotonic()
+                self._lead.release()
+        finally:
+            with self._want_lock:
+                self._want -= 1
+
+    def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
+        """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
+        (by whichever thread leads)."""
         if self._new_pipes:
             self._register_pipes(poller)
-        events = dict(poller.poll(50))
+        events = dict(poller.poll(timeout_ms))
         for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
             self._read_pipe(self._pipes[fd], poller)
         if self.pull in events:
             for frames in drain(self.pull):
-                if len(frames) == 1:  # a wake-up (adopt_pipes)
+                if len(frames) == 1:  # a wake-up (adopt_pipes, a caller that leads)
                     continue
                 try:
-                    self.router.send_multipart(frames, copy=False)
+                    send_frames(self.router, frames)
                 except zmq.ZMQError as e:  # host unreachable: the rank is gone
                     log.debug("cannot send to %r: %s", frames[0].bytes, e)
         if self.router in events:
@@ -413,9 +496,11 @@ class Controller:
                 except Exception:
                     log.exception("the controller dropped a message it could not handle")
         now = time.monotonic()
-        if now - last_check >= 0.05:
+        if now - self._last_check >= 0.05:
+            self._last_check = now
             self._check_ranks(now)
-        if now - last_beat >= self.heartbeat:
+        if now - self._last_beat >= self.heartbeat:
+            self._last_beat = now
             beat = self.codec.encode("heartbeat")
             for info in list(self.ranks.values()):
                 if info.state not in ("dead", "stopped", "starting") and info.identity:
@@ -423,7 +508,7 @@ class Controller:
                         self._send_down(info.identity, beat, retry=0)
                         continue
                     try:
-                        self.router.send_multipart([info.identity, *beat])
+                        send_frames(self.router, [info.identity, *beat])
                     except zmq.ZMQError:
                         pass
 

@@ -41,6 +41,10 @@ class Future(Generic[T]):
     guard : callable() -> None, optional
         Called before blocking; raises instead of waiting forever (an actor
         waiting for its own endpoint).
+    waiter : callable(event, timeout) -> bool, optional
+        Blocks until the completion event is set or ``timeout`` seconds pass
+        (default ``event.wait``); the controller's ``wait_for`` reads the
+        reply in the waiting thread itself.
 
     Notes
     -----
@@ -57,11 +61,15 @@ class Future(Generic[T]):
         "_lock",
         "_outcome",
         "_pump",
+        "_waiter",
     )
 
     def __init__(self, pump: Callable[[bool], None] | None = None,
-                 guard: Callable[[], None] | None = None) -> None:
+                 guard: Callable[[], None] | None = None,
+                 waiter: Callable[[threading.Event, float | None], bool] | None = None
+                 ) -> None:
         self._event = threading.Event()
+        self._waiter = waiter
         self._lock = threading.Lock()
         self._finalizer: Callable[[], T] | None = None
         self._outcome: Any = _NOT_YET
@@ -168,8 +176,9 @@ class Future(Generic[T]):
         if not ev.is_set():
             if self._guard is not None:
                 self._guard()
+            wait = self._waiter or threading.Event.wait
             if self._pump is None:
-                if not ev.wait(timeout):
+                if not wait(ev, timeout):
                     raise _timeout(timeout)
             else:
                 deadline = None if timeout is None else time.monotonic() + timeout
@@ -177,7 +186,7 @@ class Future(Generic[T]):
                     step = 0.05
                     if deadline is not None:
                         step = max(0.0, min(step, deadline - time.monotonic()))
-                    if ev.wait(step):
+                    if wait(ev, step):
                         break
                     self._pump(False)
                     if deadline is not None and time.monotonic() >= deadline:

@@ -1,21 +1,33 @@
 """The controller <-> worker wire format: the ONE module that knows frames.
 
 Every message is a ZeroMQ multipart message (after any ROUTER identity
-frames)::
+frames) of one envelope frame and zero or more buffer frames::
 
-    frame 0   b"MK/1"                   magic and protocol version
-    frame 1   signature                 64 ASCII hex digits: HMAC-SHA256, keyed
-                                        with the mesh's random key, over
-                                        frames 2..n in order
-    frame 2   header                    UTF-8 JSON object:
-                                          "t"   message type (see TYPES)
-                                          "id"  message id, unique per sender
-                                          "p"   parent message id or null
-                                          "s"   sender ("ctl" or "r<rank>")
-                                          "nb"  number of buffer frames
-    frame 3   payload                   pickle protocol 5 (cloudpickle) bytes
-    frame 4+  buffers                   out-of-band pickle buffers (raw bytes
-                                        of arrays and tensors), zero-copy
+    frame 0   envelope:
+                bytes 0-3     b"MK/2"     magic and protocol version
+                bytes 4-35    signature   HMAC-SHA256 (raw 32 bytes), keyed with
+                                          the mesh's random key, over bytes 36..
+                                          of this frame, then every buffer frame
+                                          in order
+                bytes 36-39   header length H, unsigned 32-bit little-endian
+                bytes 40..    header      H bytes of UTF-8 JSON object:
+                                "t"   message type (see TYPES)
+                                "id"  message id, unique per sender
+                                "p"   parent message id or null
+                                "s"   sender ("ctl" or "r<rank>")
+                                "nb"  number of buffer frames
+                                "bl"  their lengths (when nb > 0)
+                                "sh"  indices of buffers that are shared-
+                                      memory descriptors (optional)
+                then          payload     pickle protocol 5 (cloudpickle) bytes
+    frame 1+  buffers                     out-of-band pickle buffers (raw bytes
+                                          of arrays and tensors), zero-copy
+
+A small message (no buffers: every control message) is ONE frame, so the
+hot path pays for one ZeroMQ frame per hop rather than four (version 1 sent
+magic, signature, header and payload as separate frames; each frame costs
+a few microseconds of Python in pyzmq). The signed header names the length
+of every buffer, so no byte can move from one frame to another unnoticed.
 
 The signature is checked with :func:`hmac.compare_digest` *before* the header
 is parsed or anything is unpickled, exactly as ``jupyter_client.session``
@@ -44,8 +56,10 @@ log = logging.getLogger("monarch_kernel.protocol")
 
 __all__ = ["MAGIC", "TYPES", "VERSION", "Codec", "Message", "new_key"]
 
-MAGIC = b"MK/1"
-VERSION = 1
+MAGIC = b"MK/2"
+VERSION = 2
+_SIG = slice(4, 36)  # where the signature sits in the envelope frame
+_HEAD = 40  # where the header starts
 
 #: every message type, with its direction
 TYPES = frozenset(
@@ -163,6 +177,7 @@ class Codec:
     ) -> None:
         if not key:
             raise ValueError("a mesh key must not be empty")
+        self._key = key
         self._hmac = hmac.new(key, digestmod=hashlib.sha256)
         self.sender = sender
         self.max_header = max_header
@@ -191,8 +206,7 @@ class Codec:
         """A codec with the same key and limits, a new sender name, its own
         message ids and its own replay window (for a second socket of one
         process, e.g. a worker's peer-to-peer actor socket)."""
-        c = Codec(b"-", sender, self.max_header, self.max_buffers)
-        c._hmac = self._hmac.copy()
+        c = Codec(self._key, sender, self.max_header, self.max_buffers)
         return c
 
     def new_id(self) -> str:
@@ -201,11 +215,21 @@ class Codec:
             self._counter += 1
             return self._prefix + str(self._counter)
 
-    def _sign(self, parts: list[Any]) -> bytes:
+    def _sign(self, signed: Any, buffers: Any = ()) -> bytes:
+        """HMAC-SHA256 of ``signed`` (envelope bytes 36..) then each buffer."""
+        if not buffers:  # one shot, in C: the common case (control messages)
+            return hmac.digest(self._key, signed, "sha256")
         h = self._hmac.copy()
-        for p in parts:
-            h.update(p)
-        return h.hexdigest().encode()
+        h.update(signed)
+        for b in buffers:
+            h.update(b)
+        return h.digest()
+
+    def seal(self, header: bytes, payload: Any, buffers: list[Any] | tuple = ()) -> list[Any]:
+        """Signed frames from raw header bytes (what :meth:`encode` sends; tests
+        use it to sign malformed headers as a buggy peer would)."""
+        body = len(header).to_bytes(4, "little") + header + bytes(payload)
+        return [MAGIC + self._sign(body, buffers) + body, *buffers]
 
     def encode(
         self,
@@ -235,8 +259,8 @@ class Codec:
         Returns
         -------
         list
-            ``[MAGIC, signature, header, payload, *buffers]``; buffers are
-            memoryviews that ZeroMQ sends without copying.
+            ``[envelope, *buffers]``; buffers are memoryviews that ZeroMQ
+            sends without copying.
 
         Raises
         ------
@@ -268,9 +292,9 @@ class Codec:
                 big = [i for i in big if not isinstance(buffers[i], memoryview)]
                 if big:
                     head["sh"] = big
-        header = json.dumps(head, separators=(",", ":")).encode()
-        sig = self._sign([header, payload, *buffers])
-        return [MAGIC, sig, header, payload, *buffers]
+        if buffers:
+            head["bl"] = [len(b) if isinstance(b, bytes) else b.nbytes for b in buffers]
+        return self.seal(_dumps(head).encode(), payload, buffers)
 
     def decode(self, frames: list[Any], router: bool = False, lazy: bool = False) -> Message:
         """Verify and decode frames received from a socket.
@@ -295,18 +319,18 @@ class Codec:
         identity: list[bytes] = []
         if router:
             try:
-                i = next(i for i, v in enumerate(views) if v == MAGIC)
+                i = next(i for i, v in enumerate(views) if v[:4] == MAGIC)
             except StopIteration:
                 raise ProtocolError("no protocol magic frame (not a monarch_kernel message)")
             identity = [bytes(v) for v in views[:i]]
             views = views[i:]
-        if len(views) < 4 or views[0] != MAGIC:
+        if not views or views[0].nbytes < _HEAD or views[0][:4] != MAGIC:
             raise ProtocolError(f"malformed message: {len(views)} frames, bad or missing magic")
-        sig, header_b, payload = views[1], views[2], views[3]
-        buffers = views[4:]
-        if header_b.nbytes + payload.nbytes > self.max_header:
+        env = views[0]
+        buffers = views[1:]
+        if env.nbytes - _HEAD > self.max_header:
             raise ProtocolError(
-                f"message header+payload of {header_b.nbytes + payload.nbytes} bytes exceeds "
+                f"message header+payload of {env.nbytes - _HEAD} bytes exceeds "
                 f"the limit of {self.max_header} bytes"
             )
         total = sum(b.nbytes for b in buffers)
@@ -314,9 +338,13 @@ class Codec:
             raise ProtocolError(
                 f"message buffers of {total} bytes exceed the limit of {self.max_buffers} bytes"
             )
-        expected = self._sign([header_b, payload, *buffers])
-        if not hmac.compare_digest(expected, bytes(sig)):
+        expected = self._sign(env[36:], buffers)
+        if not hmac.compare_digest(expected, env[_SIG]):
             raise ProtocolError("bad message signature (wrong key or tampered message)")
+        hlen = int.from_bytes(env[36:_HEAD], "little")
+        if _HEAD + hlen > env.nbytes:
+            raise ProtocolError(f"malformed message header: length {hlen} beyond the frame")
+        header_b, payload = env[_HEAD:_HEAD + hlen], env[_HEAD + hlen:]
         try:
             header = json.loads(bytes(header_b))
             mtype, mid, parent, sender, nb = (
@@ -339,7 +367,8 @@ class Codec:
                                     f"{self.max_buffers} bytes")
         if (not isinstance(mtype, str) or mtype not in TYPES or not isinstance(mid, str)
                 or not isinstance(sender, str) or not isinstance(parent, (str, type(None)))
-                or type(nb) is not int or nb != len(buffers)):
+                or type(nb) is not int or nb != len(buffers)
+                or (nb and header.get("bl") != [b.nbytes for b in buffers])):
             raise ProtocolError(f"malformed message header: {header!r:.200}")
         with self._lock:
             if mid in self._seen:
@@ -368,6 +397,9 @@ class _ShmFrame:
 
     def open(self) -> memoryview:
         return _shm.open_buffer(self.name, self.nbytes, self.mode)
+
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _view(frame: Any) -> memoryview:

@@ -81,7 +81,7 @@ class Request:
     ranks : list of int
     replies : dict of int to (str, Any)
         Per rank: ``("ok", value)`` or ``("error", failure dict)``.
-    events : queue.Queue
+    events : queue.SimpleQueue
         ``("stream", rank, name, text)`` and ``("display", rank, content)``
         tuples, in arrival order, while the request runs; ``("done",)`` last.
     failure : MeshFailure or None
@@ -92,7 +92,7 @@ class Request:
         self.id = id
         self.ranks = list(ranks)
         self.replies: dict[int, tuple[str, Any]] = {}
-        self.events: queue.Queue[tuple] = queue.Queue()
+        self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.failure: MeshFailure | None = None
         self.failed_at: float | None = None  # monotonic time a rank's death failed it
         self._done = threading.Event()

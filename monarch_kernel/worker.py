@@ -45,7 +45,7 @@ import zmq
 from . import protocol, telemetry
 from .capture import FdCapture
 from .errors import ProtocolError, SerializationError
-from .transport import Outbox, connect_dealer, drain, inproc_pair
+from .transport import Outbox, connect_dealer, drain, inproc_pair, send_frames
 
 log = logging.getLogger("monarch_kernel.worker")
 
@@ -158,7 +158,7 @@ class Worker:
     def _send_frames(self, frames: list[Any]) -> None:
         if self.up is not None:
             with self._up_lock:
-                self.up.send_multipart(frames, copy=False)
+                send_frames(self.up, frames)
         else:
             self.outbox.send(frames)
 
@@ -181,7 +181,7 @@ class Worker:
                 events = dict(poller.poll(100))
                 if self.pull in events:
                     for frames in drain(self.pull):
-                        self.dealer.send_multipart(frames, copy=False)
+                        send_frames(self.dealer, frames)
                 if self.stopping.is_set():
                     break
                 if self.dealer in events:
@@ -204,7 +204,7 @@ class Worker:
                     if self.up is not None:
                         self._send_frames(beat)
                     else:
-                        self.dealer.send_multipart(beat, copy=False)
+                        send_frames(self.dealer, beat)
                     if not self._controller_alive():
                         log.warning("rank %d: the controller process is gone; exiting", self.rank)
                         _exit(0)
