@@ -125,7 +125,10 @@ class _ActorInstance:
     def _run(self) -> None:
         context.actor = self
         try:
+            lead = getattr(self.worker, "lead_until", None)
             while True:
+                if self.queue.empty() and lead is not None:
+                    lead(self.queue)  # idle: read the worker's messages in this thread
                 item = self.queue.get()
                 if item is None:
                     break

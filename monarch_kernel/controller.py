@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -103,6 +104,7 @@ class Controller:
         # output pipes of local workers, read here only (see adopt_pipes)
         self._pipes: dict[int, _Pipe] = {}  # fd -> pipe (I/O thread only)
         self._new_pipes: list[tuple[int, int, int]] = []  # (rank, stdout fd, stderr fd)
+        self._rank_polls: dict[int, select.poll] = {}  # rank -> poll of its pipes
         self.local_ranks: set[int] = set()
         self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
         self.stopping = False  # set while the mesh is being stopped on purpose
@@ -323,6 +325,9 @@ class Controller:
             for fd, name in ((out_fd, "stdout"), (err_fd, "stderr")):
                 self._pipes[fd] = _Pipe(rank, name, fd)
                 poller.register(fd, zmq.POLLIN)
+                if rank not in self._rank_polls:
+                    self._rank_polls[rank] = select.poll()
+                self._rank_polls[rank].register(fd, select.POLLIN)
 
     def _read_pipe(self, pipe: _Pipe, poller: zmq.Poller | None) -> None:
         """Forward what is in ``pipe`` now; close it at EOF."""
@@ -336,6 +341,9 @@ class Controller:
             if not data:  # every writer is gone
                 if poller is not None:
                     poller.unregister(pipe.fd)
+                rank_poll = self._rank_polls.get(pipe.rank)
+                if rank_poll is not None:
+                    rank_poll.unregister(pipe.fd)
                 self._pipes.pop(pipe.fd, None)
                 os.close(pipe.fd)
                 return
@@ -346,9 +354,15 @@ class Controller:
                 return
 
     def _drain_pipes(self, rank: int) -> None:
-        """Forward everything ``rank`` wrote so far (I/O thread)."""
-        for pipe in [p for p in self._pipes.values() if p.rank == rank]:
-            self._read_pipe(pipe, self._poller)
+        """Forward everything ``rank`` wrote so far (the thread that leads);
+        one poll(2) of the rank's pipes when there is nothing to read."""
+        rank_poll = self._rank_polls.get(rank)
+        if rank_poll is None:
+            return
+        for fd, _ in rank_poll.poll(0):
+            pipe = self._pipes.get(fd)
+            if pipe is not None:
+                self._read_pipe(pipe, self._poller)
 
     def _running_request(self, rank: int) -> Request | None:
         """The request ``rank`` is working on: its oldest unanswered one."""

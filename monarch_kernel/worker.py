@@ -138,6 +138,13 @@ class Worker:
         self.namespace = self.module.__dict__
         self.loop: asyncio.AbstractEventLoop | None = None
         self.capture: FdCapture | None = None
+        # leader/follower state (see _io_loop)
+        self._lead = threading.Lock()
+        self._want = 0
+        self._want_lock = threading.Lock()
+        self._led_at = 0.0
+        self._poller: zmq.Poller | None = None
+        self._last_heard = self._last_sent = time.monotonic()
         self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
 
     # ---------------------------------------------------------------- sending
@@ -171,55 +178,103 @@ class Worker:
                 pass
 
     # ------------------------------------------------------------ I/O thread
+    # Leader/follower, as on the controller: whoever holds ``_lead`` reads the
+    # controller's messages and dispatches them. The I/O thread leads by
+    # default; the thread of this worker's only actor leads while it is idle
+    # (``lead_until``), so a call is read by the thread that runs it, with no
+    # hand-off between threads. The I/O thread takes the lead again 10-15 ms
+    # after the actor stopped leading (while the actor runs a call).
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.dealer, zmq.POLLIN)
-        poller.register(self.pull, zmq.POLLIN)
-        last_heard = last_sent = time.monotonic()
+        self._poller = zmq.Poller()
+        self._poller.register(self.dealer, zmq.POLLIN)
+        self._poller.register(self.pull, zmq.POLLIN)
+        self._last_heard = self._last_sent = time.monotonic()
         try:
-            while True:
-                events = dict(poller.poll(100))
-                if self.pull in events:
-                    for frames in drain(self.pull):
-                        send_frames(self.dealer, frames)
-                if self.stopping.is_set():
-                    break
-                if self.dealer in events:
-                    for frames in drain(self.dealer):
-                        try:
-                            msg = self.codec.decode(frames, lazy=True)
-                        except ProtocolError as e:
-                            log.warning("rank %d dropped a message: %s", self.rank, e)
-                            continue
-                        last_heard = time.monotonic()
-                        try:
-                            self._dispatch(msg)
-                        except Exception:
-                            log.exception("rank %d dropped a message it could not dispatch "
-                                          "(%s)", self.rank, msg.type)
-                now = time.monotonic()
-                if now - last_sent >= self.heartbeat:
-                    last_sent = now
-                    beat = self.codec.encode("heartbeat")
-                    if self.up is not None:
-                        self._send_frames(beat)
-                    else:
-                        send_frames(self.dealer, beat)
-                    if not self._controller_alive():
-                        log.warning("rank %d: the controller process is gone; exiting", self.rank)
-                        _exit(0)
-                if now - last_heard > self.heartbeat_timeout:
-                    log.warning(
-                        "rank %d: no word from the controller for %.1f s; exiting",
-                        self.rank, now - last_heard,
-                    )
-                    _exit(0)
+            while not self.stopping.is_set():
+                if self._want or time.monotonic() - self._led_at < 0.01:
+                    time.sleep(0.005)  # an actor leads, or led just now
+                    continue
+                with self._lead:
+                    if not self._want:
+                        self._io_step(100)
         except BaseException:  # without this thread the rank is deaf: leave, loudly
             log.exception("rank %d: the I/O thread failed; exiting", self.rank)
             _exit(1)
         finally:
-            self.dealer.close(0)
-            self.pull.close(0)
+            with self._lead:
+                self.dealer.close(0)
+                self.pull.close(0)
+
+    def lead_until(self, q: Any) -> bool:
+        """Do the I/O in this thread until ``q`` has an item (an actor thread,
+        idle). Returns False, at once, when it cannot lead: another actor
+        runs on this worker, or the worker is stopping; the caller then
+        waits on ``q`` as usual."""
+        if len(self.actors) > 1 or self.stopping.is_set() or self._poller is None:
+            return False
+        with self._want_lock:
+            self._want += 1
+        try:
+            if not self._lead.acquire(blocking=False):
+                try:  # the I/O thread leaves its poll and steps back
+                    self.outbox.send([b""])
+                except Exception:  # noqa: BLE001 - closing
+                    return False
+                if not self._lead.acquire(timeout=1.0):
+                    return False
+            try:
+                while q.empty():
+                    if self.stopping.is_set() or len(self.actors) > 1:
+                        return False
+                    self._io_step(50)
+                return True
+            finally:
+                self._led_at = time.monotonic()
+                self._lead.release()
+        finally:
+            with self._want_lock:
+                self._want -= 1
+
+    def _io_step(self, timeout_ms: int) -> None:
+        """One turn of the I/O (by whichever thread leads)."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self.pull in events:
+            for frames in drain(self.pull):
+                if len(frames) == 1 and not frames[0].buffer.nbytes:
+                    continue  # a wake-up (an actor thread that leads)
+                send_frames(self.dealer, frames)
+        if self.stopping.is_set():
+            return
+        if self.dealer in events:
+            for frames in drain(self.dealer):
+                try:
+                    msg = self.codec.decode(frames, lazy=True)
+                except ProtocolError as e:
+                    log.warning("rank %d dropped a message: %s", self.rank, e)
+                    continue
+                self._last_heard = time.monotonic()
+                try:
+                    self._dispatch(msg)
+                except Exception:
+                    log.exception("rank %d dropped a message it could not dispatch "
+                                  "(%s)", self.rank, msg.type)
+        now = time.monotonic()
+        if now - self._last_sent >= self.heartbeat:
+            self._last_sent = now
+            beat = self.codec.encode("heartbeat")
+            if self.up is not None:
+                self._send_frames(beat)
+            else:
+                send_frames(self.dealer, beat)
+            if not self._controller_alive():
+                log.warning("rank %d: the controller process is gone; exiting", self.rank)
+                _exit(0)
+        if now - self._last_heard > self.heartbeat_timeout:
+            log.warning(
+                "rank %d: no word from the controller for %.1f s; exiting",
+                self.rank, now - self._last_heard,
+            )
+            _exit(0)
 
     def _controller_alive(self) -> bool:
         if self.controller_pid is None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -15,13 +19,30 @@ def pair(**kw):
     return protocol.Codec(key, "ctl", **kw), protocol.Codec(key, "r0", **kw)
 
 
+def split(envelope) -> tuple[bytes, bytes, bytes]:
+    """(signature, header bytes, payload) of an envelope frame."""
+    env = bytes(envelope)
+    assert env[:4] == protocol.MAGIC
+    n = int.from_bytes(env[36:40], "little")
+    assert 40 + n <= len(env)
+    return env[4:36], env[40:40 + n], env[40 + n:]
+
+
 def test_round_trip_keeps_types_and_ids():
     a, b = pair()
     frames = a.encode("execute", {"code": "1+1", "n": 3}, parent="p1")
     m = b.decode(frames)
     assert (m.type, m.parent, m.sender) == ("execute", "p1", "ctl")
     assert m.content == {"code": "1+1", "n": 3}
-    assert frames[0] == protocol.MAGIC and len(frames[1]) == 64
+    assert len(frames) == 1  # a control message is one envelope frame
+    env = bytes(frames[0])
+    sig, header, payload = split(env)
+    assert len(sig) == 32
+    assert sig == hmac.new(a._key, env[36:], hashlib.sha256).digest()
+    head = json.loads(header)
+    assert head["t"] == "execute" and head["p"] == "p1" and head["s"] == "ctl"
+    assert head["nb"] == 0 and "bl" not in head and head["id"] == m.id
+    assert serialize.loads(payload, []) == {"code": "1+1", "n": 3}
 
 
 def test_large_arrays_travel_out_of_band_without_copy_into_pickle():
@@ -29,9 +50,18 @@ def test_large_arrays_travel_out_of_band_without_copy_into_pickle():
     t = torch.arange(1 << 20, dtype=torch.float32)
     arr = np.ones(1 << 18)
     frames = a.encode("push", {"t": t, "a": arr})
-    payload = frames[3]
-    assert len(frames) == 6  # magic, sig, header, payload, 2 buffers
+    assert len(frames) == 3  # envelope, 2 buffers
+    env = bytes(frames[0])
+    sig, header, payload = split(env)
     assert len(payload) < 4096  # the data is not in the pickle stream
+    head = json.loads(header)
+    assert head["nb"] == 2
+    assert sorted(head["bl"]) == sorted([t.numel() * 4, arr.nbytes])
+    assert head["bl"] == [memoryview(f).nbytes for f in frames[1:]]
+    h = hmac.new(a._key, env[36:], hashlib.sha256)
+    for f in frames[1:]:
+        h.update(f)
+    assert sig == h.digest()  # the signature covers the buffers too
     m = b.decode(frames)
     assert torch.equal(m.content["t"], t) and m.content["t"].dtype == torch.float32
     np.testing.assert_array_equal(m.content["a"], arr)
@@ -63,17 +93,69 @@ def test_wrong_key_is_rejected_before_unpickling(tmp_path):
 def test_tampered_replayed_and_truncated_frames_are_rejected():
     a, b = pair()
     frames = [bytes(f) for f in a.encode("execute", {"code": "x"})]
-    tampered = list(frames)
-    tampered[3] = tampered[3][:-1] + b"\x00"
-    with pytest.raises(ProtocolError, match="signature"):
-        b.decode(tampered)
+    env = frames[0]
+    assert env[-1] != 0
+    for bad in (
+        env[:-1] + b"\x00",  # the payload's last byte
+        env[:4] + bytes([env[4] ^ 1]) + env[5:],  # the signature
+        env[:45] + bytes([env[45] ^ 1]) + env[46:],  # the header
+        env[:36] + (int.from_bytes(env[36:40], "little") + 1).to_bytes(4, "little") + env[40:],
+    ):
+        with pytest.raises(ProtocolError, match="signature"):
+            b.decode([bad])
+    with pytest.raises(ProtocolError):  # cut short: the signature no longer matches
+        b.decode([env[:-1]])
+    with pytest.raises(ProtocolError, match="malformed"):  # no room for a header length
+        b.decode([env[:39]])
+    with pytest.raises(ProtocolError, match="malformed"):
+        b.decode([])
     b.decode(frames)
     with pytest.raises(ProtocolError, match="replayed"):
         b.decode(frames)
-    with pytest.raises(ProtocolError, match="malformed"):
-        b.decode(frames[:3])
     with pytest.raises(ProtocolError):
         b.decode([b"garbage"])
+    # with buffers: a missing, cut or extra buffer frame
+    big = [bytes(f) for f in a.encode("push", {"a": np.arange(1000.0), "b": np.ones(600)})]
+    assert len(big) == 3
+    for bad in ([big[0]], big[:2], [big[0], big[2]], [big[0], big[1], big[2][:-1]],
+                [*big, b"x"], [big[0], big[2], big[1]]):
+        with pytest.raises(ProtocolError):
+            b.decode(bad)
+    assert b.decode(big).content["b"].sum() == 600  # the untouched message still decodes
+
+
+def test_bytes_moved_between_frames_are_rejected():
+    """The signature covers the concatenation of envelope bytes 36.. and every
+    buffer frame, so moving bytes across a frame boundary keeps it valid: the
+    signed buffer lengths ("bl") must catch that."""
+    a, b = pair()
+    frames = [bytes(f) for f in a.encode("push", {"a": np.arange(1000.0), "b": np.ones(600)})]
+    env, b0, b1 = frames
+    assert len(frames) == 3 and json.loads(split(env)[1])["bl"] == [len(b0), len(b1)]
+    k = 8
+    moved = [
+        [env[:-k], env[-k:] + b0, b1],  # envelope tail -> buffer 0
+        [env + b0[:k], b0[k:], b1],  # buffer 0 head -> envelope
+        [env, b0 + b1[:k], b1[k:]],  # buffer 1 head -> buffer 0
+        [env, b0[:-k], b0[-k:] + b1],  # buffer 0 tail -> buffer 1
+        [env + b0, b1],  # buffer 0 merged into the envelope (and nb wrong)
+        [env, b0 + b1],  # two buffers merged
+    ]
+    for fr in moved:
+        # the same signed bytes, split differently: the signature alone would pass
+        assert fr[0][:36] == env[:36]
+        assert b"".join(fr)[36:] == b"".join(frames)[36:]
+        assert a._sign(fr[0][36:], fr[1:]) == env[4:36]
+        with pytest.raises(ProtocolError, match="malformed"):
+            b.decode(fr)
+    # a header that does not name its buffer lengths is no better
+    _, header, payload = split(env)
+    head = json.loads(header)
+    del head["bl"]
+    with pytest.raises(ProtocolError, match="malformed"):
+        b.decode(a.seal(json.dumps(head).encode(), payload, [b0, b1]))
+    m = b.decode(frames)  # none of the above counted as seen: the original still decodes
+    np.testing.assert_array_equal(m.content["a"], np.arange(1000.0))
 
 
 def test_size_limits():

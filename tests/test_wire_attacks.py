@@ -40,6 +40,21 @@ pytestmark = pytest.mark.timeout(120)
 SMALL = 64 * 1024  # the worker's --max-header / --max-buffers in these tests (bytes)
 
 
+def _split(frames: list[Any]) -> tuple[bytes, bytes]:
+    """(header bytes, payload) of a message's envelope frame (``frames[0]``)."""
+    env = bytes(frames[0])
+    assert env[:4] == protocol.MAGIC
+    n = int.from_bytes(env[36:40], "little")
+    assert 40 + n <= len(env)
+    return env[40:40 + n], env[40 + n:]
+
+
+def _envelope(header: bytes, payload: bytes, sig: bytes = b"\0" * 32,
+              magic: bytes = protocol.MAGIC) -> bytes:
+    """An envelope frame built by hand, with whatever signature (unsigned variants)."""
+    return magic + sig + len(header).to_bytes(4, "little") + header + payload
+
+
 class Evil:
     """Unpickling it creates ``path``: proof that something was unpickled."""
 
@@ -100,7 +115,7 @@ class FakeController:
     def execute(self, code: str, timeout: float = 30) -> tuple[dict, str]:
         """Run ``code`` (correctly signed); its reply content and stdout."""
         frames = self.codec.encode("execute", {"code": code})
-        mid = json.loads(bytes(frames[2]))["id"]
+        mid = json.loads(_split(frames)[0])["id"]
         self.send_raw(frames)
         out = []
         while True:
@@ -178,12 +193,16 @@ def test_good_request_runs(fake, marker):
 
 
 def test_unsigned_messages_are_dropped(fake, marker):
-    _, _, header, payload = fake.codec.encode("execute", {"code": _marker_code(marker),
-                                                          "evil": Evil(str(marker))})
+    frames = fake.codec.encode("execute", {"code": _marker_code(marker),
+                                           "evil": Evil(str(marker))})
+    assert len(frames) == 1
+    header, payload = _split(frames)
     _attack(fake, marker, [
-        [protocol.MAGIC, b"", header, payload],  # empty signature
-        [protocol.MAGIC, b"0" * 64, header, payload],  # a made-up signature
-        [protocol.MAGIC, b"not hex at all \xff", header, payload],
+        [protocol.MAGIC + len(header).to_bytes(4, "little") + header + payload],  # no signature
+        [_envelope(header, payload, b"\0" * 32)],  # a zero signature
+        [_envelope(header, payload, os.urandom(32))],  # a made-up signature
+        [_envelope(header, payload, b"0" * 64)],  # a version 1 (hex) signature's size
+        [_envelope(header, payload, b"not hex at all \xff")],
     ], expect="bad message signature")
 
 
@@ -195,12 +214,15 @@ def test_wrongly_signed_message_is_dropped_before_unpickling(fake, marker):
 
 def test_tampered_message_is_dropped(fake, marker):
     frames = [bytes(f) for f in fake.codec.encode("execute", {"code": "None"})]
-    payload, _ = serialize.dumps({"code": _marker_code(marker)})
-    frames[3] = bytes(payload)  # the signature was made for the harmless code
-    header = json.loads(frames[2])
+    assert len(frames) == 1
+    sig = frames[0][4:36]  # made for the harmless code
+    h, _ = _split(frames)
+    payload = bytes(serialize.dumps({"code": _marker_code(marker)})[0])
+    swapped = [_envelope(h, payload, sig)]
+    header = json.loads(h)
     header["t"] = "stop"
-    retyped = [frames[0], frames[1], json.dumps(header).encode(), frames[3]]
-    _attack(fake, marker, [frames, retyped], expect="bad message signature")
+    retyped = [_envelope(json.dumps(header).encode(), payload, sig)]
+    _attack(fake, marker, [swapped, retyped], expect="bad message signature")
 
 
 def test_replayed_message_runs_once(fake, marker):
@@ -214,14 +236,21 @@ def test_replayed_message_runs_once(fake, marker):
 def test_truncated_messages_are_dropped(fake, marker):
     good = [bytes(f) for f in fake.codec.encode(
         "execute", {"code": _marker_code(marker), "arr": np.arange(1000.0)})]
-    assert len(good) == 5  # magic, signature, header, payload, one buffer
+    assert len(good) == 2  # envelope, one buffer
+    env, buf = good
+    header, _ = _split(good)
     _attack(fake, marker, [
-        good[:4],  # the buffer frame missing
-        good[:3],  # no payload
-        good[:2],
-        good[:1],
-        [good[0], *good[2:]],  # no signature frame
-        good[1:],  # no magic
+        good[:1],  # the buffer frame missing
+        [env, buf[:-1]],  # the buffer cut short
+        [env[:-1], buf],  # the payload cut short
+        [env[:40 + len(header)], buf],  # no payload
+        [env[:40], buf],  # no header
+        [env[:36]],  # no header length
+        [env[:20]],  # half a signature
+        [env[:4]],  # the magic alone
+        [protocol.MAGIC + env[36:], buf],  # no signature
+        [env[4:], buf],  # no magic
+        [buf],  # no envelope
     ])
 
 
@@ -235,22 +264,28 @@ def test_oversized_buffers_are_dropped(fake, marker):
     content = {"code": _marker_code(marker), "evil": Evil(str(marker)),
                "blob": np.zeros(SMALL // 8 + 1)}
     frames = fake.codec.encode("execute", content)
-    assert len(frames) == 5
+    assert len(frames) == 2
     _attack(fake, marker, [frames], expect=f"exceed the limit of {SMALL} bytes")
 
 
 def test_garbage_frames_are_dropped(fake, marker):
     rng = np.random.default_rng(9)
     evil = pickle.dumps({"code": _marker_code(marker), "evil": Evil(str(marker))})
+    head = json.dumps({"t": "execute", "id": "other-version", "p": None, "s": "ctl",
+                       "nb": 0}).encode()
+    sealed = bytes(fake.codec.seal(head, evil)[0])  # signed with the right key...
     messages: list[list[Any]] = [
         [b""],
         [b"garbage"],
         [evil],  # a bare pickle, as an old or naive protocol would send
         [protocol.MAGIC],
         [protocol.MAGIC, b"", b"", b""],
-        [b"MK/2", b"0" * 64, b"{}", evil],  # another protocol version
+        [protocol.MAGIC + bytes(36)],  # zero signature, empty header
+        [b"MK/1", b"0" * 64, b"{}", evil],  # version 1 framing
+        [_envelope(b"{}", evil, magic=b"MK/3")],  # another protocol version
+        [b"MK/1" + sealed[4:]],  # ... even correctly signed, a wrong magic is refused
         [rng.bytes(int(n)) for n in rng.integers(0, 300, size=7)],
-        [protocol.MAGIC, *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=5))],
+        [protocol.MAGIC + rng.bytes(300), *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=4))],
     ]
     _attack(fake, marker, messages)
 
@@ -260,23 +295,29 @@ def test_signed_but_malformed_headers_are_dropped(fake, marker):
     never a crash of the worker's I/O thread."""
     payload = bytes(serialize.dumps({"code": _marker_code(marker)})[0])
 
-    def signed(header: Any) -> list[bytes]:
+    def signed(header: Any, buffers: tuple = ()) -> list[bytes]:
+        return fake.codec.seal(json.dumps(header).encode(), payload, buffers)
+
+    def beyond(header: Any) -> list[bytes]:  # a header length past the end of the frame
         h = json.dumps(header).encode()
-        sig = fake.codec._sign([h, payload])
-        return [protocol.MAGIC, sig, h, payload]
+        body = (len(h) + len(payload) + 1).to_bytes(4, "little") + h + payload
+        return [protocol.MAGIC + fake.codec._sign(body) + body]
 
     base = {"t": "execute", "id": "x", "p": None, "s": "ctl", "nb": 0}
     messages = [
         signed({**base, "id": "m1", "t": "no-such-type"}),
         signed({**base, "id": "m2", "t": ["execute"]}),  # unhashable type
         signed({**base, "id": "m3", "nb": 3}),  # buffer count mismatch
+        signed({**base, "id": "m3b", "nb": 1}, (b"abc",)),  # buffer lengths missing
+        signed({**base, "id": "m3c", "nb": 1, "bl": [4]}, (b"abc",)),  # ... or wrong
         signed({**base, "id": 4}),  # id not a string
         signed({**base, "id": "m5", "p": ["x"]}),  # parent not a string
         signed({**base, "id": "m6", "s": {"r": 0}}),  # sender not a string
         signed({k: v for k, v in base.items() if k != "t"}),
         signed(["execute", "m7"]),
         signed("execute"),
-        [protocol.MAGIC, fake.codec._sign([b"\xff{", payload]), b"\xff{", payload],
+        fake.codec.seal(b"\xff{", payload),
+        beyond({**base, "id": "m8"}),
     ]
     _attack(fake, marker, messages, expect="malformed message header")
 
@@ -287,7 +328,7 @@ def test_default_header_limit_is_64_mib(tmp_path, marker):
         big = {"code": _marker_code(marker), "pad": b"x" * protocol.DEFAULT_MAX_HEADER,
                "evil": Evil(str(marker))}
         frames = fc.codec.encode("execute", big)
-        assert len(frames) == 4  # bytes stay in the pickle stream: counts toward the header
+        assert len(frames) == 1  # bytes stay in the pickle stream: counts toward the header
         _attack(fc, marker, [frames], expect="exceeds the limit of 67108864 bytes")
     finally:
         fc.close()
@@ -334,17 +375,18 @@ def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
         wrong = protocol.Codec(protocol.new_key(), "r0")
         reply = {"status": "ok", "value": "FORGED"}
         stream = {"name": "stdout", "text": "FORGED output\n"}
-        _, _, h, p = wrong.encode("reply", reply, parent=req.id)
+        h, p = _split(wrong.encode("reply", reply, parent=req.id))
         right = protocol.Codec(ctl.key, "r0")  # a signed message on the wrong connection
         signed = right.encode("reply", reply, parent=req.id)
         attacks = [
             wrong.encode("reply", reply, parent=req.id),  # wrong key
             wrong.encode("stream", stream, parent=req.id),
-            [protocol.MAGIC, b"", h, p],  # unsigned
-            [protocol.MAGIC, b"0" * 64, h, p],
-            [protocol.MAGIC, h, p],  # truncated
+            [protocol.MAGIC + len(h).to_bytes(4, "little") + h + p],  # unsigned
+            [_envelope(h, p, b"\0" * 32)],
+            [_envelope(h, p, os.urandom(32))],
+            [_envelope(h, p)[:38]],  # truncated
             [b"garbage"],
-            [protocol.MAGIC, os.urandom(64), os.urandom(100), os.urandom(1000)],
+            [protocol.MAGIC + os.urandom(36 + 100), os.urandom(1000)],
             signed,
             signed,  # ... and replayed
         ]
@@ -375,7 +417,7 @@ def test_oversized_message_to_the_controller_is_dropped(mesh, caplog):
     ctx = zmq.Context()
     try:
         d = _dealer(ctx, mesh.controller.address, b"r1")
-        d.send_multipart([protocol.MAGIC, b"0" * 64, b"{}", b"x" * protocol.DEFAULT_MAX_HEADER])
+        d.send_multipart([_envelope(b"{}", b"x" * protocol.DEFAULT_MAX_HEADER)])
         wait_for(lambda: _controller_drops(caplog), 20, what="the controller's warning")
         assert "exceeds the limit of 67108864 bytes" in _controller_drops(caplog)[0]
     finally:
@@ -429,9 +471,9 @@ def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd):
         d = _dealer(ctx, addr, b"attacker")
         wrong = protocol.Codec(protocol.new_key(), "r0")
         call = {"a": "target", "m": "ping", "args": (Evil(str(marker)),), "kwargs": {}}
-        _, _, h, p = wrong.encode("call", call)
-        attacks = [wrong.encode("call", call), [protocol.MAGIC, b"", h, p], [b"garbage"],
-                   [protocol.MAGIC, h, p]]
+        h, p = _split(wrong.encode("call", call))
+        attacks = [wrong.encode("call", call), [_envelope(h, p, b"\0" * 32)], [b"garbage"],
+                   [_envelope(h, p)[:38]]]
         for frames in attacks:
             d.send_multipart(frames)
         err = ""
@@ -613,7 +655,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
         data, packets = _sniff_a_cell(m, token)
         assert packets > 0
         assert token.encode() not in data, "mesh traffic beyond loopback travels in clear"
-        assert b"MK/1" not in data and b'"t":"execute"' not in data
+        assert protocol.MAGIC not in data and b'"t":"execute"' not in data
     finally:
         m.stop()
     assert "NOT encrypted" not in capfd.readouterr().err
@@ -625,7 +667,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
         assert m.controller.curve_public_key is None
         assert m.controller.router.getsockopt(zmq.CURVE_SERVER) == 0
         data, _ = _sniff_a_cell(m, token)
-        assert token.encode() in data and b"MK/1" in data  # the control: clear text is seen
+        assert token.encode() in data and protocol.MAGIC in data  # the control: clear text is seen
     finally:
         m.stop()
 
