@@ -353,7 +353,9 @@ class ActorMesh(Generic[A]):
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
         if _current_worker() is None:  # the controller's process: this thread reads its reply
-            fut: Future[Any] = Future(pump=_Output(req), waiter=rec.procmesh.controller.wait_for)
+            ctl = rec.procmesh.controller
+            ctl.defer_io()
+            fut: Future[Any] = Future(pump=_Output(req), waiter=ctl.wait_for)
         else:
             fut = Future(guard=_self_call_guard(rec, ranks))
 

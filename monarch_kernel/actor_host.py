@@ -117,10 +117,20 @@ class _ActorInstance:
         self.sizes = sizes
         self.obj: Any = None
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.leading = False  # the thread reads the worker's messages (while idle)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name=f"monarch-actor-{name}",
                                        daemon=True)
         self.thread.start()
+
+    def post(self, item: Any) -> None:
+        """Queue ``item`` for this actor's thread (any thread); wakes the thread
+        when it is idle and reading the worker's messages (``lead_until``)."""
+        self.queue.put(item)
+        if self.leading and threading.get_ident() != self.thread.ident:
+            wake = getattr(self.worker, "wake", None)
+            if wake is not None:
+                wake()
 
     def _run(self) -> None:
         context.actor = self
@@ -128,7 +138,11 @@ class _ActorInstance:
             lead = getattr(self.worker, "lead_until", None)
             while True:
                 if self.queue.empty() and lead is not None:
-                    lead(self.queue)  # idle: read the worker's messages in this thread
+                    self.leading = True
+                    try:
+                        lead(self.queue)  # idle: read the worker's messages in this thread
+                    finally:
+                        self.leading = False
                 item = self.queue.get()
                 if item is None:
                     break
@@ -273,7 +287,7 @@ def dispatch_call(worker: Any, msg: Any) -> None:
     if inst is None:
         _reject(worker, msg.id, c, None)
         return
-    inst.queue.put(("call", msg.id, c, None))
+    inst.post(("call", msg.id, c, None))
 
 
 def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
@@ -303,10 +317,10 @@ def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
     point = next(p for p in shape.points() if p.rank == worker.rank)
     inst = _ActorInstance(worker, name, content["uid"], point, shape.dims)
     done: list[Any] = [threading.Event()]
-    inst.queue.put(("init", content["init"], done))
+    inst.post(("init", content["init"], done))
     done[0].wait()
     if done[1] is not None:
-        inst.queue.put(None)
+        inst.post(None)
         return {"peer": host.address, "failure": done[1]}
     worker.actors[name] = inst
     host.stopped.pop(name, None)
@@ -320,7 +334,7 @@ def stop_local(worker: Any, name: str, timeout: float = 10.0) -> None:
     host.stopped[name] = "was stopped (ActorMesh.stop())"
     if inst is None:
         return
-    inst.queue.put(None)
+    inst.post(None)
     inst.thread.join(timeout)
 
 
@@ -502,7 +516,7 @@ class PeerHost:
         if inst is None:
             _reject(self.worker, msg.id, c, msg.identity)
         else:
-            inst.queue.put(("call", msg.id, c, msg.identity))
+            inst.post(("call", msg.id, c, msg.identity))
 
     def _reply(self, frames: list[Any]) -> None:
         try:
@@ -536,7 +550,7 @@ def supervise_from_current_actor(controller: Any) -> None:
 
     def on_event(kind: str, rank: int, payload: Any) -> None:
         if kind == "dead" and not controller.stopping:
-            inst.queue.put(("supervise", payload))
+            inst.post(("supervise", payload))
 
     controller.listeners.append(on_event)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -193,6 +194,7 @@ class Controller:
         frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
                                    shm_out=names)
         req = Request(mid, ranks)
+        req.waiter = self.wait_for
         if names:  # remove the shared-memory files once every rank answered
             req.add_done_callback(lambda r, names=names: self.codec.release_shm(
                 names, discard=r.failure is not None))
@@ -448,7 +450,8 @@ class Controller:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
-        if self._leader == me:  # nested (a callback waits): go on leading here
+        if self._leader == me or threading.current_thread() is self._thread:
+            # nested (a callback waits, on a thread that leads): go on leading here
             while not event.is_set() and not self._closed.is_set():
                 left = 0.05 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
@@ -470,15 +473,8 @@ class Controller:
                 if self._closed.is_set() or self._poller is None:
                     return event.wait(timeout)
                 self._leader = me
-                while not event.is_set():
-                    if self._closed.is_set():
-                        return event.wait(0 if deadline is None else
-                                          max(0.0, deadline - time.monotonic()))
-                    left = 0.05 if deadline is None else deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
-                return True
+                with _DeferredSigint() as sigint:
+                    return self._lead_until(event, deadline, sigint)
             finally:
                 self._leader = None
                 self._led_at = time.monotonic()
@@ -486,6 +482,28 @@ class Controller:
         finally:
             with self._want_lock:
                 self._want -= 1
+
+    def _lead_until(self, event: threading.Event, deadline: float | None,
+                    sigint: _DeferredSigint) -> bool:
+        while not event.is_set():
+            if sigint.hit is not None:  # raised as KeyboardInterrupt once leading stops
+                return False
+            if self._closed.is_set():
+                return event.wait(0 if deadline is None else
+                                  max(0.0, deadline - time.monotonic()))
+            left = 0.05 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
+        return True
+
+    def defer_io(self) -> None:
+        """Keep the I/O thread from reading for the next 10-15 ms: the calling
+        thread sent a request it will wait for (an actor call), and reads the
+        replies itself then. During a burst of calls, replies then wait in
+        ZeroMQ's queue instead of being handled by a second thread that
+        competes with the sender for the GIL."""
+        self._led_at = time.monotonic()
 
     def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
         """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
@@ -620,12 +638,12 @@ class Controller:
             self._notify_listeners("debug", rank, c)  # the debug registry, first
             req = self.pending.get(msg.parent or "")
             if req is not None:
-                req.events.put(("debug", rank, c))
+                req.put_event(("debug", rank, c))
             return
         if t == "display":
             req = self.pending.get(msg.parent or "")
             if req is not None:
-                req.events.put(("display", rank, msg.content))
+                req.put_event(("display", rank, msg.content))
             return
         if t == "hello":
             with self._hello:
@@ -657,7 +675,7 @@ class Controller:
     def _deliver_stream(self, rank: int, name: str, text: str, req: Request | None) -> None:
         self._remember_output(self.ranks[rank], text)
         if req is not None:
-            req.events.put(("stream", rank, name, text))
+            req.put_event(("stream", rank, name, text))
         elif self.on_output is not None:
             self.on_output(rank, name, text)
         else:
@@ -707,3 +725,30 @@ class Controller:
         self.ctx.term()
         if self.codec.pool is not None:
             self.codec.pool.close()
+
+
+class _DeferredSigint:
+    """While the main thread leads the controller's I/O, a SIGINT is noted
+    rather than raised in the middle of handling a message (which would lose
+    it); the previous handler runs (KeyboardInterrupt) once leading stops."""
+
+    def __init__(self) -> None:
+        self.hit: tuple[int, Any] | None = None
+        self.prev: Any = None
+
+    def __enter__(self) -> _DeferredSigint:
+        if threading.current_thread() is threading.main_thread():
+            prev = signal.getsignal(signal.SIGINT)
+            if callable(prev):
+                self.prev = prev
+                signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.hit = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+            if self.hit is not None and exc[0] is None:
+                self.prev(*self.hit)

@@ -96,15 +96,26 @@ class Request:
         self.failure: MeshFailure | None = None
         self.failed_at: float | None = None  # monotonic time a rank's death failed it
         self._done = threading.Event()
+        self._arrived = threading.Event()  # set by put_event
         self._callbacks: list[Callable[[Request], None]] = []
         self._lock = threading.Lock()
+        #: ``waiter(event, timeout) -> bool``: blocks until ``event`` is set, reading
+        #: the controller's messages in the waiting thread (Controller.wait_for)
+        self.waiter: Callable[[threading.Event, float | None], bool] | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every rank answered or failed; True if done."""
+        if self.waiter is not None and not self._done.is_set():
+            return self.waiter(self._done, timeout)
         return self._done.wait(timeout)
+
+    def put_event(self, event: tuple) -> None:
+        """Queue an event for whoever shows this request's output (any thread)."""
+        self.events.put(event)
+        self._arrived.set()
 
     def add_done_callback(self, fn: Callable[[Request], None]) -> None:
         """Call ``fn(self)`` once done (at once if already done)."""
@@ -119,7 +130,7 @@ class Request:
             if self._done.is_set():
                 return
             self._done.set()
-            self.events.put(("done",))  # wakes whoever waits on the events
+            self.put_event(("done",))  # wakes whoever waits on the events
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             try:
@@ -140,7 +151,12 @@ class Request:
         try:
             if self.done():
                 return self.events.get_nowait()
-            return self.events.get(timeout=timeout)
+            if self.waiter is None:
+                return self.events.get(timeout=timeout)
+            self._arrived.clear()
+            if self.events.empty():  # (checked after the clear: no event is missed)
+                self.waiter(self._arrived, timeout)
+            return self.events.get_nowait()
         except queue.Empty:
             return None
 

@@ -205,6 +205,13 @@ class Worker:
                 self.dealer.close(0)
                 self.pull.close(0)
 
+    def wake(self) -> None:
+        """Wake the thread that leads from its poll (any thread)."""
+        try:
+            self.outbox.send([b""])
+        except Exception:  # noqa: BLE001 - closing: nobody to wake
+            pass
+
     def lead_until(self, q: Any) -> bool:
         """Do the I/O in this thread until ``q`` has an item (an actor thread,
         idle). Returns False, at once, when it cannot lead: another actor

@@ -556,7 +556,7 @@ class DebugConsole:
                 return
             waiting = [r for r in req.ranks if r not in req.replies and r not in quit_ranks]
             if waiting and not self.registry.sessions("paused", parent=req.id):
-                req.events.put(("debug", -1, {
+                req.put_event(("debug", -1, {
                     "kind": "note",
                     "text": f"{_plural(waiting)} still running after {_plural(quit_ranks)} "
                             "quit; if they wait for it (a collective), interrupt the kernel "
