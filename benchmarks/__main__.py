@@ -65,10 +65,15 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
     result["telemetry_cpu_pct"] = tel.get("sampler_pct_of_core")
     result["telemetry"] = tel
     print("[bench] fan-out", file=sys.stderr, flush=True)
-    fan = ours.fanout((1, 4, 16) if quick else (1, 4, 16, 64), calls=50 if quick else 200)
+    sizes = (1, 4, 16) if quick else (1, 4, 16, 64)
+    fan = ours.fanout(sizes, calls=50 if quick else 200)
     result["fanout"] = fan
+    raw = raw_zmq.fanout(sizes, calls=50 if quick else 200)
+    result["fanout_raw_pyzmq"] = raw
     if "bcast_p50_us_n64" in fan:
-        result["fanout"]["ratio_n64_to_n1"] = fan["bcast_p50_us_n64"] / fan["bcast_p50_us_n1"]
+        fan["ratio_n64_to_n1"] = fan["bcast_p50_us_n64"] / fan["bcast_p50_us_n1"]
+        raw["ratio_n64_to_n1"] = raw["bcast_p50_us_n64"] / raw["bcast_p50_us_n1"]
+        fan["ratio_to_raw_n64"] = fan["bcast_p50_us_n64"] / raw["bcast_p50_us_n64"]
     return result
 
 
@@ -85,7 +90,8 @@ def table(result: dict[str, Any]) -> str:
                 v = row[c].get(m) if isinstance(row[c], dict) else None
                 vals.append("-" if v is None else f"{v:,.2f}" if v < 100 else f"{v:,.0f}")
             ratio = row["ratio_to_raw"].get(m)
-            lines.append(f"| {m} | " + " | ".join(vals) + f" | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            lines.append(f"| {m} | " + " | ".join(vals) + f" | {shown} |")
     c = result["cell_p50_us"]
     lines.append(f"\ncell_p50_us: %%mesh pass {c['monarch_kernel']:,.0f} us"
                  + (f", %px pass {c['ipyparallel_px']:,.0f} us, ratio "
@@ -95,8 +101,13 @@ def table(result: dict[str, Any]) -> str:
     fan = result["fanout"]
     lines.append("fan-out bcast_p50_us: " + ", ".join(
         f"N={k.split('_n')[-1]}: {v:,.0f}" for k, v in fan.items() if k.startswith("bcast")))
+    raw = result.get("fanout_raw_pyzmq", {})
+    lines.append("fan-out raw pyzmq bcast_p50_us: " + ", ".join(
+        f"N={k.split('_n')[-1]}: {v:,.0f}" for k, v in raw.items() if k.startswith("bcast")))
     if "ratio_n64_to_n1" in fan:
-        lines.append(f"fan-out N=64 / N=1: {fan['ratio_n64_to_n1']:.1f}x")
+        lines.append(f"fan-out N=64 / N=1: ours {fan['ratio_n64_to_n1']:.1f}x, raw pyzmq "
+                     f"{raw['ratio_n64_to_n1']:.1f}x; ours / raw at N=64: "
+                     f"{fan['ratio_to_raw_n64']:.2f}x")
     return "\n".join(lines)
 
 

@@ -3,10 +3,9 @@ users call (``spawn_procs``, actor endpoints and their adverbs)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
-
-import sys
 
 import cloudpickle
 import psutil

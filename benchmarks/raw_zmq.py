@@ -168,6 +168,19 @@ def measure(n: int, calls: int = 2000, big: bool = True) -> dict[str, float]:
         m.close()
 
 
+def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[str, float]:
+    """The raw ``bcast_p50_us`` for N echo workers: how far this machine itself
+    lets a broadcast grow with N (64 processes on 2 cores take turns)."""
+    out = {}
+    for n in sizes:
+        m = RawMesh(n)
+        try:
+            out[f"bcast_p50_us_n{n}"] = p50(latencies_us(m.bcast, calls, warmup=20))
+        finally:
+            m.close()
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(sys.argv[2], sys.argv[3])

@@ -355,7 +355,8 @@ class ActorMesh(Generic[A]):
         if _current_worker() is None:  # the controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
-            fut: Future[Any] = Future(pump=_Output(req), waiter=ctl.wait_for)
+            fut: Future[Any] = Future(pump=_Output(req), waiter=ctl.wait_for,
+                                      resume=ctl.resume_io)
         else:
             fut = Future(guard=_self_call_guard(rec, ranks))
 

@@ -22,6 +22,7 @@ I/O thread, outside the controller's lock; they must not block.
 
 from __future__ import annotations
 
+import _signal
 import logging
 import os
 import select
@@ -40,6 +41,7 @@ from .request import RankInfo, Request, _Pipe
 from .transport import Outbox, bind_router, drain, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")
+_SIGINT = int(signal.SIGINT)
 
 __all__ = ["Controller", "RankInfo", "Request"]
 
@@ -118,6 +120,8 @@ class Controller:
         self._want = 0  # callers waiting to lead
         self._want_lock = threading.Lock()
         self._led_at = 0.0  # monotonic time a caller last stopped leading
+        self._resume = threading.Event()  # wakes the I/O thread (resume_io)
+        self._stepped_at = time.monotonic()  # last I/O step, by any thread
         self._poller: zmq.Poller | None = None
         self._last_beat = self._last_check = time.monotonic()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
@@ -126,6 +130,10 @@ class Controller:
 
     # -------------------------------------------------------------- sending
     def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        with _DeferredSigint():  # Ctrl-C never leaves half a message on a socket
+            self._send_to(ranks, frames)
+
+    def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
@@ -135,7 +143,8 @@ class Controller:
                     # while stopping)
                     fresh = time.monotonic() - info.hello_at < 5.0
                     wait = (fresh and not self.stopping
-                            and threading.current_thread() is not self._thread)
+                            and threading.current_thread() is not self._thread
+                            and self._leader != threading.get_ident())
                     if not self._send_down(info.identity, frames, retry=2.0 if wait else 0.0):
                         raise TransportError(f"cannot send to rank {r}: it is not connected")
                 else:
@@ -400,12 +409,20 @@ class Controller:
         self._last_beat = self._last_check = time.monotonic()
         try:
             while not self._closed.is_set():
-                if self._want or time.monotonic() - self._led_at < 0.01:
-                    time.sleep(0.005)  # a caller leads, or led just now: let it go on
+                now = time.monotonic()
+                if ((self._want or now - self._led_at < 0.01)
+                        and now - self._stepped_at < 0.05):
+                    # a caller leads, or led just now: let it go on (resume_io wakes);
+                    # but never 50 ms without a step (heartbeats, exits, a burst of
+                    # calls that are waited for later)
+                    self._resume.wait(0.005)
+                    self._resume.clear()
                     continue
-                with self._lead:
-                    if not self._want:
-                        self._guarded_step(50)
+                if self._lead.acquire(timeout=0.05):
+                    try:
+                        self._guarded_step(50 if not self._want else 0)
+                    finally:
+                        self._lead.release()
         except BaseException:
             log.exception("the controller I/O thread failed")
         finally:
@@ -458,6 +475,19 @@ class Controller:
                     return False
                 self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
             return event.is_set()
+        # a SIGINT in the main thread is held back over all of this (bookkeeping
+        # included): KeyboardInterrupt is raised when the lead is given back
+        with _DeferredSigint() as sigint:
+            led = self._lead_for(event, deadline, sigint)
+        if led is None:  # closed (or closing): the I/O thread fails what is pending
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return event.wait(left)
+        return led
+
+    def _lead_for(self, event: threading.Event, deadline: float | None,
+                  sigint: _DeferredSigint) -> bool | None:
+        """Take the lead (in 5 ms slices, watching ``event``) and lead until it
+        is set; None when the controller is closed."""
         with self._want_lock:
             self._want += 1
         try:
@@ -465,16 +495,20 @@ class Controller:
                 try:  # the I/O thread leaves its poll and steps back
                     self.outbox.send([b""])
                 except TransportError:
-                    return event.wait(timeout)
-                left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._lead.acquire(timeout=left):
-                    return event.is_set()
+                    return None
+                # another thread may lead for long: our reply may come through it
+                while not self._lead.acquire(timeout=0.005):
+                    if event.is_set():
+                        return True
+                    if sigint.hit is not None or self._closed.is_set():
+                        return event.is_set() or (None if self._closed.is_set() else False)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return False
             try:
                 if self._closed.is_set() or self._poller is None:
-                    return event.wait(timeout)
-                self._leader = me
-                with _DeferredSigint() as sigint:
-                    return self._lead_until(event, deadline, sigint)
+                    return None
+                self._leader = threading.get_ident()
+                return self._lead_until(event, deadline, sigint)
             finally:
                 self._leader = None
                 self._led_at = time.monotonic()
@@ -484,13 +518,12 @@ class Controller:
                 self._want -= 1
 
     def _lead_until(self, event: threading.Event, deadline: float | None,
-                    sigint: _DeferredSigint) -> bool:
+                    sigint: _DeferredSigint) -> bool | None:
         while not event.is_set():
             if sigint.hit is not None:  # raised as KeyboardInterrupt once leading stops
                 return False
             if self._closed.is_set():
-                return event.wait(0 if deadline is None else
-                                  max(0.0, deadline - time.monotonic()))
+                return None
             left = 0.05 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -505,12 +538,19 @@ class Controller:
         competes with the sender for the GIL."""
         self._led_at = time.monotonic()
 
+    def resume_io(self) -> None:
+        """Let the I/O thread read again at once (undoes :meth:`defer_io`): a
+        coroutine that awaits a reply cannot lead, the I/O thread reads it."""
+        self._led_at = 0.0
+        self._resume.set()
+
     def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
         """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
         (by whichever thread leads)."""
         if self._new_pipes:
             self._register_pipes(poller)
         events = dict(poller.poll(timeout_ms))
+        self._stepped_at = time.monotonic()
         for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
             self._read_pipe(self._pipes[fd], poller)
         if self.pull in events:
@@ -738,10 +778,11 @@ class _DeferredSigint:
 
     def __enter__(self) -> _DeferredSigint:
         if threading.current_thread() is threading.main_thread():
-            prev = signal.getsignal(signal.SIGINT)
+            # the C functions: signal.signal's enum wrapping costs ~6 us a call here
+            prev = _signal.getsignal(_SIGINT)
             if callable(prev):
                 self.prev = prev
-                signal.signal(signal.SIGINT, self._note)
+                _signal.signal(_SIGINT, self._note)
         return self
 
     def _note(self, signum: int, frame: Any) -> None:
@@ -749,6 +790,6 @@ class _DeferredSigint:
 
     def __exit__(self, *exc: object) -> None:
         if self.prev is not None:
-            signal.signal(signal.SIGINT, self.prev)
+            _signal.signal(_SIGINT, self.prev)
             if self.hit is not None and exc[0] is None:
                 self.prev(*self.hit)

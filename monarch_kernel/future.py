@@ -45,6 +45,9 @@ class Future(Generic[T]):
         Blocks until the completion event is set or ``timeout`` seconds pass
         (default ``event.wait``); the controller's ``wait_for`` reads the
         reply in the waiting thread itself.
+    resume : callable() -> None, optional
+        Called before a coroutine awaits: it cannot read the reply itself,
+        so the controller's I/O thread must (``Controller.resume_io``).
 
     Notes
     -----
@@ -61,15 +64,17 @@ class Future(Generic[T]):
         "_lock",
         "_outcome",
         "_pump",
+        "_resume",
         "_waiter",
     )
 
     def __init__(self, pump: Callable[[bool], None] | None = None,
                  guard: Callable[[], None] | None = None,
-                 waiter: Callable[[threading.Event, float | None], bool] | None = None
-                 ) -> None:
+                 waiter: Callable[[threading.Event, float | None], bool] | None = None,
+                 resume: Callable[[], None] | None = None) -> None:
         self._event = threading.Event()
         self._waiter = waiter
+        self._resume = resume
         self._lock = threading.Lock()
         self._finalizer: Callable[[], T] | None = None
         self._outcome: Any = _NOT_YET
@@ -226,6 +231,8 @@ class Future(Generic[T]):
                     pass
 
             self.add_done_callback(wake)
+            if self._resume is not None:
+                self._resume()
             if self._pump is None:
                 await waiter
             else:

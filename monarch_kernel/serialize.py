@@ -188,8 +188,8 @@ def _plain(obj: Any, depth: int) -> bool:
     t = type(obj)
     if t in _ATOMS:
         return t is not bytes or len(obj) < OOB_THRESHOLD
-    if t is Packed:
-        return not obj.buffers
+    if t is Packed:  # a large payload goes out of band, through the full pickler
+        return not obj.buffers and len(obj.payload) < OOB_THRESHOLD
     if depth <= 0:
         return False
     if t is dict:

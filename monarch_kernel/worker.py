@@ -182,7 +182,7 @@ class Worker:
     # controller's messages and dispatches them. The I/O thread leads by
     # default; the thread of this worker's only actor leads while it is idle
     # (``lead_until``), so a call is read by the thread that runs it, with no
-    # hand-off between threads. The I/O thread takes the lead again 10-15 ms
+    # hand-off between threads. The I/O thread takes the lead again 10-30 ms
     # after the actor stopped leading (while the actor runs a call).
     def _io_loop(self) -> None:
         self._poller = zmq.Poller()
@@ -192,7 +192,7 @@ class Worker:
         try:
             while not self.stopping.is_set():
                 if self._want or time.monotonic() - self._led_at < 0.01:
-                    time.sleep(0.005)  # an actor leads, or led just now
+                    time.sleep(0.02)  # an actor leads, or led just now
                     continue
                 with self._lead:
                     if not self._want:
@@ -231,8 +231,8 @@ class Worker:
                     return False
             try:
                 while q.empty():
-                    if self.stopping.is_set() or len(self.actors) > 1:
-                        return False
+                    if self.stopping.is_set() or len(self.actors) > 1 or self._want > 1:
+                        return False  # (another actor thread wants to lead: let it)
                     self._io_step(50)
                 return True
             finally:
