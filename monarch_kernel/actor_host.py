@@ -37,6 +37,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -105,6 +106,12 @@ def _failure(worker: Any, e: BaseException, with_traceback: bool = True) -> dict
 
 
 # ------------------------------------------------------------------ actors
+_NOTHING = object()
+FAST_S = 0.0002  # seconds: an endpoint this quick may have its reply batched
+MAX_HELD = 64  # replies in one batch, at most
+HOLD_S = 0.001  # seconds a reply may wait for its batch, at most
+
+
 class _ActorInstance:
     """One actor on this worker: its object, queue, thread and event loop."""
 
@@ -118,6 +125,11 @@ class _ActorInstance:
         self.obj: Any = None
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.leading = False  # the thread reads the worker's messages (while idle)
+        # adaptive batching of replies (see _may_hold)
+        self._held: list[tuple[str, Packed]] = []  # (call id, value) not sent yet
+        self._held_at = 0.0
+        self._ahead: Any = _NOTHING  # the next queued item, taken out to look at it
+        self._fast: dict[str, bool] = {}  # endpoint -> its last call ran under FAST_S
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name=f"monarch-actor-{name}",
                                        daemon=True)
@@ -137,13 +149,21 @@ class _ActorInstance:
         try:
             lead = getattr(self.worker, "lead_until", None)
             while True:
-                if self.queue.empty() and lead is not None:
-                    self.leading = True
-                    try:
-                        lead(self.queue)  # idle: read the worker's messages in this thread
-                    finally:
-                        self.leading = False
-                item = self.queue.get()
+                item = self._ahead
+                if item is _NOTHING:
+                    if self.queue.empty():
+                        self._flush()  # nothing queued: held replies leave now
+                        if lead is not None:
+                            self.leading = True
+                            try:
+                                lead(self.queue)  # idle: read the worker's messages here
+                            finally:
+                                self.leading = False
+                    item = self.queue.get()
+                else:
+                    self._ahead = _NOTHING
+                if item is None or item[0] != "call":
+                    self._flush()
                 if item is None:
                     break
                 if item[0] == "init":
@@ -155,6 +175,39 @@ class _ActorInstance:
         finally:
             if self.loop is not None:
                 self.loop.close()
+
+    def _may_hold(self) -> bool:
+        """Whether an ok reply may wait to leave with the next ones (one message
+        for several replies: a burst of small calls then costs one send, one
+        signature and one receive per batch).
+
+        Only while the next call is already queued and its endpoint ran in
+        under FAST_S last time (a prediction, as in adaptive batching: a reply
+        is never held behind a call expected to be slow), at most MAX_HELD
+        replies and HOLD_S seconds.
+        """
+        if len(self._held) >= MAX_HELD or (
+                self._held and time.perf_counter() - self._held_at > HOLD_S):
+            return False
+        if self._ahead is _NOTHING:
+            try:
+                self._ahead = self.queue.get_nowait()
+            except queue.Empty:
+                return False
+        nxt = self._ahead
+        return (nxt is not None and nxt[0] == "call" and nxt[3] is None
+                and not nxt[2].get("o") and self._fast.get(nxt[2].get("m"), False))
+
+    def _flush(self) -> None:
+        """Send the held replies (one message for several)."""
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        if len(held) == 1:
+            self.worker.reply(held[0][0], "ok", held[0][1])
+        else:
+            self.worker.reply_many(held)
 
     def _run_maybe_async(self, value: Any) -> Any:
         if asyncio.iscoroutine(value):
@@ -215,7 +268,9 @@ class _ActorInstance:
                     f"actor {self.name!r} ({type(self.obj).__qualname__}) has no endpoint "
                     f"{method!r}"
                 )
+            t0 = time.perf_counter()
             value = self._run_maybe_async(fn(*args, **kwargs))
+            self._fast[method] = time.perf_counter() - t0 < FAST_S
             if "k" in c:  # .rref(): the value stays here; only its description goes back
                 from .tensor_store import keep
 
@@ -233,7 +288,14 @@ class _ActorInstance:
             status, out = "error", _failure(w, e)
         telemetry.set_activity(None)
         try:
-            _answer(w, mid, c, route, status, out)
+            if (status == "ok" and route is None and not oneway and not out.buffers
+                    and len(out.payload) < 4096 and self._may_hold()):
+                if not self._held:
+                    self._held_at = time.perf_counter()
+                self._held.append((mid, out))
+            else:
+                self._flush()
+                _answer(w, mid, c, route, status, out)
         finally:
             if attribute and w.current_parent in (mid, None):
                 w.current_parent = prev

@@ -646,22 +646,18 @@ class Controller:
                     "type": "monarch_kernel.errors.SerializationError", "traceback": "",
                     "message": f"the reply of rank {rank} cannot be decoded here: {e}",
                     "exc": None}
-            finished = None
-            with self._lock:
-                req = self.pending.get(msg.parent or "")
-                if req is not None and req._reply_pending(rank):
-                    req.replies[rank] = (status, value)
-                    if len(req.replies) >= len(req.ranks):
-                        self.pending.pop(req.id, None)
-                        finished = req
-                    elif req.failure is not None:
-                        self._retire_if_settled(req)
-                if info.state == "busy" and not any(
-                    rank in q.ranks and rank not in q.replies for q in self.pending.values()
-                ):
-                    info.state = "idle"
-            if finished is not None:
-                finished._finish()  # callbacks run outside the controller's lock
+            self._on_reply(info, msg.parent, status, value)
+            return
+        if t == "replies":  # several ok replies in one message (a worker's batch)
+            self._drain_pipes(rank)  # their output comes before them
+            try:
+                items = [(str(p), "ok", v) for p, v in msg.content]
+            except (ProtocolError, TypeError, ValueError) as e:
+                log.warning("the controller dropped a malformed batch of replies from "
+                            "rank %d: %s", rank, e)
+                return
+            for parent, status, value in items:
+                self._on_reply(info, parent, status, value)
             return
         if t == "stream":
             c = msg.content
@@ -711,6 +707,26 @@ class Controller:
                 print(f"[monarch] {text}", file=sys.stderr, flush=True)
             self._notify_listeners("event", rank, msg.content)
             return
+
+    def _on_reply(self, info: RankInfo, parent: str | None, status: str, value: Any) -> None:
+        """Record one rank's reply to request ``parent``; finish it when complete."""
+        rank = info.rank
+        finished = None
+        with self._lock:
+            req = self.pending.get(parent or "")
+            if req is not None and req._reply_pending(rank):
+                req.replies[rank] = (status, value)
+                if len(req.replies) >= len(req.ranks):
+                    self.pending.pop(req.id, None)
+                    finished = req
+                elif req.failure is not None:
+                    self._retire_if_settled(req)
+            if info.state == "busy" and not any(
+                rank in q.ranks and rank not in q.replies for q in self.pending.values()
+            ):
+                info.state = "idle"
+        if finished is not None:
+            finished._finish()  # callbacks run outside the controller's lock
 
     def _deliver_stream(self, rank: int, name: str, text: str, req: Request | None) -> None:
         self._remember_output(self.ranks[rank], text)

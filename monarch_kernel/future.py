@@ -2,7 +2,7 @@
 
 A :class:`Future` is completed by an I/O thread (the controller's, or a
 worker's peer thread) and read by anyone: ``future.get(timeout=...)``
-blocks the calling thread on a :class:`threading.Event`, and ``await
+blocks the calling thread on a :class:`~monarch_kernel.flag.Flag`, and ``await
 future`` suspends a coroutine on whatever asyncio loop is running (a
 Jupyter kernel's, an actor's own). Neither needs the other: ``.get()`` in a
 notebook cell, where the kernel's loop is running, neither deadlocks nor
@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
+
+from .flag import Flag
 
 __all__ = ["Future"]
 
@@ -70,9 +72,9 @@ class Future(Generic[T]):
 
     def __init__(self, pump: Callable[[bool], None] | None = None,
                  guard: Callable[[], None] | None = None,
-                 waiter: Callable[[threading.Event, float | None], bool] | None = None,
+                 waiter: Callable[[Flag, float | None], bool] | None = None,
                  resume: Callable[[], None] | None = None) -> None:
-        self._event = threading.Event()
+        self._event = Flag()
         self._waiter = waiter
         self._resume = resume
         self._lock = threading.Lock()
@@ -181,7 +183,7 @@ class Future(Generic[T]):
         if not ev.is_set():
             if self._guard is not None:
                 self._guard()
-            wait = self._waiter or threading.Event.wait
+            wait = self._waiter or Flag.wait
             if self._pump is None:
                 if not wait(ev, timeout):
                     raise _timeout(timeout)

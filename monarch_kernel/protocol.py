@@ -67,6 +67,7 @@ TYPES = frozenset(
         # worker -> controller
         "hello",  # {rank, pid, host, peer_addr}: a worker connected
         "reply",  # {status: ok|error, value | failure}: answer to a request
+        "replies",  # [(parent id, value), ...]: ok answers to several requests at once
         "stream",  # {name: stdout|stderr, text}
         "display",  # {data, metadata, transient}: rich output from a rank
         "state",  # telemetry record {activity, cpu, rss, uss, gpu, ...}: see telemetry.py

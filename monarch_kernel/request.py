@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MeshFailure, RemoteFailure
+from .flag import Flag
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -95,13 +96,13 @@ class Request:
         self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.failure: MeshFailure | None = None
         self.failed_at: float | None = None  # monotonic time a rank's death failed it
-        self._done = threading.Event()
-        self._arrived = threading.Event()  # set by put_event
+        self._done = Flag()
+        self._arrived = Flag()  # set by put_event
         self._callbacks: list[Callable[[Request], None]] = []
         self._lock = threading.Lock()
         #: ``waiter(event, timeout) -> bool``: blocks until ``event`` is set, reading
         #: the controller's messages in the waiting thread (Controller.wait_for)
-        self.waiter: Callable[[threading.Event, float | None], bool] | None = None
+        self.waiter: Callable[[Flag, float | None], bool] | None = None
 
     def done(self) -> bool:
         return self._done.is_set()

@@ -196,7 +196,7 @@ def _plain(obj: Any, depth: int) -> bool:
         return len(obj) <= 16 and all(type(k) is str and _plain(v, depth - 1)
                                       for k, v in obj.items())
     if t is tuple or t is list:
-        return len(obj) <= 16 and all(_plain(v, depth - 1) for v in obj)
+        return len(obj) <= 64 and all(_plain(v, depth - 1) for v in obj)
     return False
 
 

@@ -395,6 +395,13 @@ class Worker:
                 failure = dict(value, exc=None)
             self.send("reply", {"status": "error", "value": failure}, parent)
 
+    def reply_many(self, items: list[tuple[str, Any]]) -> None:
+        """Send several ok replies, ``(call id, value)``, in one ``replies``
+        message, after every output written so far (thread-safe)."""
+        if self.capture is not None:
+            self.capture.drain()
+        self.send("replies", items)
+
     def describe_failure(self, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
         """A picklable description of exception ``e`` (see errors.RemoteFailure)."""
         tb = e.__traceback__
