@@ -1,0 +1,275 @@
+"""The controller's I/O: leader/follower over its sockets and pipes.
+
+Whoever holds ``_lead`` does the I/O duties of a :class:`Controller`: reads
+the ROUTER socket ``router``, the inproc ``pull`` socket and the pipes of
+local workers, checks ranks, sends heartbeats. The I/O thread leads by
+default; a thread that waits for a reply (:meth:`ControllerIO.wait_for`,
+used by futures and requests) takes the lead and reads its reply itself,
+so a call costs no thread hand-off on the controller's side (the
+leader/follower pattern of Schmidt et al., POSA2). The I/O thread steps
+back while a caller leads, and takes the lead again 10-15 ms after the last
+one (not at once: back-to-back calls then need no wake-up of this thread),
+never letting 50 ms pass without a step.
+
+:class:`ControllerIO` is a mixin of :class:`~monarch_kernel.controller.Controller`
+and uses its sockets, registry and locks.
+"""
+
+from __future__ import annotations
+
+import _signal
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from .errors import MeshFailure, TransportError
+from .transport import drain, send_frames
+
+log = logging.getLogger("monarch_kernel.controller")
+_SIGINT = int(signal.SIGINT)
+
+__all__ = ["ControllerIO", "DeferredSigint"]
+
+
+class ControllerIO:
+    """The I/O half of the controller (see the module docstring)."""
+
+    def _io_loop(self) -> None:
+        self._poller = poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        self._last_beat = self._last_check = time.monotonic()
+        try:
+            while not self._closed.is_set():
+                now = time.monotonic()
+                if ((self._want or now - self._led_at < 0.01)
+                        and now - self._stepped_at < 0.05):
+                    # a caller leads, or led just now: let it go on (resume_io wakes);
+                    # but never 50 ms without a step (heartbeats, exits, a burst of
+                    # calls that are waited for later)
+                    self._resume.wait(0.005)
+                    self._resume.clear()
+                    continue
+                if self._lead.acquire(timeout=0.05):
+                    try:
+                        self._guarded_step(50 if not self._want else 0)
+                    finally:
+                        self._lead.release()
+        except BaseException:
+            log.exception("the controller I/O thread failed")
+        finally:
+            with self._lead:
+                with self._lock:
+                    pending = list(self.pending.values())
+                    self.pending.clear()
+                for req in pending:  # nothing will answer them now
+                    req._fail(MeshFailure("the mesh's controller stopped"))
+                for fd in list(self._pipes):
+                    os.close(fd)
+                self._pipes.clear()
+                self.router.close(0)
+                self.pull.close(0)
+
+    def _guarded_step(self, timeout_ms: int) -> None:
+        try:
+            self._io_step(self._poller, timeout_ms)
+        except Exception:  # one bad step (a user's on_output, ...) must not stop I/O
+            log.exception("the controller I/O hit an error; going on")
+
+    def wait_for(self, event: threading.Event, timeout: float | None = None) -> bool:
+        """Wait until ``event`` is set, doing the controller's I/O meanwhile.
+
+        The calling thread leads the I/O (see above) while it waits, so the
+        reply it waits for is read and handled in this thread. Falls back to
+        a plain wait when the controller is closed.
+
+        Parameters
+        ----------
+        event : threading.Event
+            Set by a done-callback of the request waited for.
+        timeout : float or None
+            Seconds; None waits as long as it takes.
+
+        Returns
+        -------
+        bool
+            True if ``event`` was set.
+        """
+        if event.is_set():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
+        if self._leader == me or threading.current_thread() is self._thread:
+            # nested (a callback waits, on a thread that leads): go on leading here
+            while not event.is_set() and not self._closed.is_set():
+                left = 0.05 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
+            return event.is_set()
+        # a SIGINT in the main thread is held back over all of this (bookkeeping
+        # included): KeyboardInterrupt is raised when the lead is given back
+        with DeferredSigint() as sigint:
+            led = self._lead_for(event, deadline, sigint)
+        if led is None:  # closed (or closing): the I/O thread fails what is pending
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return event.wait(left)
+        return led
+
+    def _lead_for(self, event: threading.Event, deadline: float | None,
+                  sigint: DeferredSigint) -> bool | None:
+        """Take the lead (in 5 ms slices, watching ``event``) and lead until it
+        is set; None when the controller is closed."""
+        with self._want_lock:
+            self._want += 1
+        try:
+            if not self._lead.acquire(blocking=False):
+                try:  # the I/O thread leaves its poll and steps back
+                    self.outbox.send([b""])
+                except TransportError:
+                    return None
+                # another thread may lead for long: our reply may come through it
+                while not self._lead.acquire(timeout=0.005):
+                    if event.is_set():
+                        return True
+                    if sigint.hit is not None or self._closed.is_set():
+                        return event.is_set() or (None if self._closed.is_set() else False)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return False
+            try:
+                if self._closed.is_set() or self._poller is None:
+                    return None
+                self._leader = threading.get_ident()
+                return self._lead_until(event, deadline, sigint)
+            finally:
+                self._leader = None
+                self._led_at = time.monotonic()
+                self._lead.release()
+        finally:
+            with self._want_lock:
+                self._want -= 1
+
+    def _lead_until(self, event: threading.Event, deadline: float | None,
+                    sigint: DeferredSigint) -> bool | None:
+        while not event.is_set():
+            if sigint.hit is not None:  # raised as KeyboardInterrupt once leading stops
+                return False
+            if self._closed.is_set():
+                return None
+            left = 0.05 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
+        return True
+
+    def defer_io(self) -> None:
+        """Keep the I/O thread from reading for the next 10-15 ms: the calling
+        thread sent a request it will wait for (an actor call), and reads the
+        replies itself then. During a burst of calls, replies then wait in
+        ZeroMQ's queue instead of being handled by a second thread that
+        competes with the sender for the GIL."""
+        self._led_at = time.monotonic()
+
+    def resume_io(self) -> None:
+        """Let the I/O thread read again at once (undoes :meth:`defer_io`): a
+        coroutine that awaits a reply cannot lead, the I/O thread reads it."""
+        self._led_at = 0.0
+        self._resume.set()
+
+    def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
+        """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
+        (by whichever thread leads)."""
+        if self._new_pipes:
+            self._register_pipes(poller)
+        events = dict(poller.poll(timeout_ms))
+        self._stepped_at = time.monotonic()
+        for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
+            self._read_pipe(self._pipes[fd], poller)
+        if self.pull in events:
+            for frames in drain(self.pull):
+                if len(frames) == 1:  # a wake-up (adopt_pipes, a caller that leads)
+                    continue
+                try:
+                    send_frames(self.router, frames)
+                except zmq.ZMQError as e:  # host unreachable: the rank is gone
+                    log.debug("cannot send to %r: %s", frames[0].bytes, e)
+        if self.router in events:
+            for frames in drain(self.router):
+                try:
+                    self._receive(frames)
+                except Exception:
+                    log.exception("the controller dropped a message it could not handle")
+        now = time.monotonic()
+        if now - self._last_check >= 0.05:
+            self._last_check = now
+            self._check_ranks(now)
+        if now - self._last_beat >= self.heartbeat:
+            self._last_beat = now
+            beat = self.codec.encode("heartbeat")
+            for info in list(self.ranks.values()):
+                if info.state not in ("dead", "stopped", "starting") and info.identity:
+                    if info.down:
+                        self._send_down(info.identity, beat, retry=0)
+                        continue
+                    try:
+                        send_frames(self.router, [info.identity, *beat])
+                    except zmq.ZMQError:
+                        pass
+
+    def _check_ranks(self, now: float) -> None:
+        if self.stopping:
+            return
+        with self._lock:  # failed requests stay routable for 5 s at most
+            for req in [q for q in self.pending.values()
+                        if q.failed_at is not None and now - q.failed_at > 5.0]:
+                self.pending.pop(req.id, None)
+        if self.poll_exits is not None:
+            try:
+                exits = self.poll_exits()
+            except Exception:
+                log.exception("polling worker processes failed")
+                exits = {}
+            for rank, code in exits.items():
+                self._drain_pipes(rank)
+                if self.leftover_output is not None:
+                    self._deliver_leftover(rank)
+                self.mark_dead(rank, code)
+        limit = 3 * self.heartbeat + 0.5
+        for r, info in list(self.ranks.items()):
+            if (r not in self.local_ranks and info.state in ("idle", "busy", "paused")
+                    and now - info.last_heard > limit):
+                log.warning("rank %d missed 3 heartbeats", r)
+                self.mark_dead(r, None)
+
+
+class DeferredSigint:
+    """While the main thread leads the controller's I/O, a SIGINT is noted
+    rather than raised in the middle of handling a message (which would lose
+    it); the previous handler runs (KeyboardInterrupt) once leading stops."""
+
+    def __init__(self) -> None:
+        self.hit: tuple[int, Any] | None = None
+        self.prev: Any = None
+
+    def __enter__(self) -> DeferredSigint:
+        if threading.current_thread() is threading.main_thread():
+            # the C functions: signal.signal's enum wrapping costs ~6 us a call here
+            prev = _signal.getsignal(_SIGINT)
+            if callable(prev):
+                self.prev = prev
+                _signal.signal(_SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.hit = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev is not None:
+            _signal.signal(_SIGINT, self.prev)
+            if self.hit is not None and exc[0] is None:
+                self.prev(*self.hit)

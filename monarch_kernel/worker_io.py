@@ -1,0 +1,178 @@
+"""A worker's I/O: leader/follower over its connection to the controller.
+
+Whoever holds ``_lead`` reads the controller's messages and dispatches
+them (calls to actors' queues, requests to the main thread's queue,
+interrupts, debugger input), sends heartbeats and watches the controller.
+The I/O thread leads by default; the thread of the worker's only actor
+leads while it is idle (:meth:`WorkerIO.lead_until`), so a call is read by
+the thread that runs it, with no hand-off between threads. The I/O thread
+takes the lead again 10-30 ms after the actor stopped leading (while the
+actor runs a call). :class:`WorkerIO` is a mixin of
+:class:`~monarch_kernel.worker.Worker` and uses its sockets and queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from . import protocol
+from .errors import ProtocolError
+from .transport import drain, send_frames
+
+log = logging.getLogger("monarch_kernel.worker")
+
+__all__ = ["WorkerIO"]
+
+
+def _exit(code: int) -> None:
+    """Leave the process now (no atexit handlers), removing its shared-memory files."""
+    from . import shm
+
+    try:
+        shm.cleanup()
+    finally:
+        os._exit(code)
+
+
+class WorkerIO:
+    """The I/O half of a worker (see the module docstring)."""
+
+    def _io_loop(self) -> None:
+        self._poller = zmq.Poller()
+        self._poller.register(self.dealer, zmq.POLLIN)
+        self._poller.register(self.pull, zmq.POLLIN)
+        self._last_heard = self._last_sent = time.monotonic()
+        try:
+            while not self.stopping.is_set():
+                if self._want or time.monotonic() - self._led_at < 0.01:
+                    time.sleep(0.02)  # an actor leads, or led just now
+                    continue
+                with self._lead:
+                    if not self._want:
+                        self._io_step(100)
+        except BaseException:  # without this thread the rank is deaf: leave, loudly
+            log.exception("rank %d: the I/O thread failed; exiting", self.rank)
+            _exit(1)
+        finally:
+            with self._lead:
+                self.dealer.close(0)
+                self.pull.close(0)
+
+    def wake(self) -> None:
+        """Wake the thread that leads from its poll (any thread)."""
+        try:
+            self.outbox.send([b""])
+        except Exception:  # noqa: BLE001 - closing: nobody to wake
+            pass
+
+    def lead_until(self, q: Any) -> bool:
+        """Do the I/O in this thread until ``q`` has an item (an actor thread,
+        idle). Returns False, at once, when it cannot lead: another actor
+        runs on this worker, or the worker is stopping; the caller then
+        waits on ``q`` as usual."""
+        if len(self.actors) > 1 or self.stopping.is_set() or self._poller is None:
+            return False
+        with self._want_lock:
+            self._want += 1
+        try:
+            if not self._lead.acquire(blocking=False):
+                try:  # the I/O thread leaves its poll and steps back
+                    self.outbox.send([b""])
+                except Exception:  # noqa: BLE001 - closing
+                    return False
+                if not self._lead.acquire(timeout=1.0):
+                    return False
+            try:
+                while q.empty():
+                    if self.stopping.is_set() or len(self.actors) > 1 or self._want > 1:
+                        return False  # (another actor thread wants to lead: let it)
+                    self._io_step(50)
+                return True
+            finally:
+                self._led_at = time.monotonic()
+                self._lead.release()
+        finally:
+            with self._want_lock:
+                self._want -= 1
+
+    def _io_step(self, timeout_ms: int) -> None:
+        """One turn of the I/O (by whichever thread leads)."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self.pull in events:
+            for frames in drain(self.pull):
+                if len(frames) == 1 and not frames[0].buffer.nbytes:
+                    continue  # a wake-up (an actor thread that leads)
+                send_frames(self.dealer, frames)
+        if self.stopping.is_set():
+            return
+        if self.dealer in events:
+            for frames in drain(self.dealer):
+                try:
+                    msg = self.codec.decode(frames, lazy=True)
+                except ProtocolError as e:
+                    log.warning("rank %d dropped a message: %s", self.rank, e)
+                    continue
+                self._last_heard = time.monotonic()
+                try:
+                    self._dispatch(msg)
+                except Exception:
+                    log.exception("rank %d dropped a message it could not dispatch "
+                                  "(%s)", self.rank, msg.type)
+        now = time.monotonic()
+        if now - self._last_sent >= self.heartbeat:
+            self._last_sent = now
+            beat = self.codec.encode("heartbeat")
+            if self.up is not None:
+                self._send_frames(beat)
+            else:
+                send_frames(self.dealer, beat)
+            if not self._controller_alive():
+                log.warning("rank %d: the controller process is gone; exiting", self.rank)
+                _exit(0)
+        if now - self._last_heard > self.heartbeat_timeout:
+            log.warning(
+                "rank %d: no word from the controller for %.1f s; exiting",
+                self.rank, now - self._last_heard,
+            )
+            _exit(0)
+
+    def _controller_alive(self) -> bool:
+        if self.controller_pid is None:
+            return True
+        try:
+            os.kill(self.controller_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def _dispatch(self, msg: protocol.Message) -> None:
+        if msg.type == "heartbeat":
+            return
+        if msg.type == "interrupt":
+            if self.busy:
+                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
+            return
+        if msg.type == "call":
+            from . import actor
+
+            actor.dispatch_call(self, msg)
+            return
+        if msg.type == "debug_input":  # the paused thread waits in pdb: hand it the line
+            from .debug import server as debug_server
+
+            debug_server.deliver(msg.content)
+            return
+        if msg.type == "free":  # handles gone on the controller: drop their kept values
+            from . import tensor_store
+
+            tensor_store.free(msg.content["ids"])
+            return
+        self.requests.put(msg)
