@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -28,6 +29,30 @@ def split(envelope) -> tuple[bytes, bytes, bytes]:
     return env[4:36], env[40:40 + n], env[40 + n:]
 
 
+def fields(header: bytes) -> dict:
+    """The fields of binary header bytes, read by hand from the documented layout
+    (struct "<BBBBHH", sender, id, parent, N x u64, D x u16), and checked
+    against protocol._parse_header."""
+    code, ls, li, lp, nb, nsh = struct.unpack_from("<BBBBHH", header)
+    o = 8
+    sender = header[o:o + ls].decode("ascii")
+    mid = header[o + ls:o + ls + li].decode("ascii")
+    o += ls + li
+    parent = None
+    if lp != 255:
+        parent = header[o:o + lp].decode("ascii")
+        o += lp
+    bl = list(struct.unpack_from(f"<{nb}Q", header, o))
+    sh = list(struct.unpack_from(f"<{nsh}H", header, o + 8 * nb))
+    assert o + 8 * nb + 2 * nsh == len(header)
+    head = {"t": protocol.TYPE_CODES[code], "id": mid, "p": parent, "s": sender, "nb": nb,
+            "bl": bl, "sh": sh}
+    t, i, p, s, lengths, shm = protocol._parse_header(header)
+    assert (t, i, p, s, list(lengths), list(shm)) == (
+        head["t"], head["id"], head["p"], head["s"], head["bl"], head["sh"])
+    return head
+
+
 def test_round_trip_keeps_types_and_ids():
     a, b = pair()
     frames = a.encode("execute", {"code": "1+1", "n": 3}, parent="p1")
@@ -39,9 +64,12 @@ def test_round_trip_keeps_types_and_ids():
     sig, header, payload = split(env)
     assert len(sig) == 32
     assert sig == hmac.new(a._key, env[36:], hashlib.sha256).digest()
-    head = json.loads(header)
+    head = fields(header)
     assert head["t"] == "execute" and head["p"] == "p1" and head["s"] == "ctl"
-    assert head["nb"] == 0 and "bl" not in head and head["id"] == m.id
+    assert head["nb"] == 0 and head["bl"] == [] and head["sh"] == [] and head["id"] == m.id
+    assert header[0] == protocol.TYPE_CODES.index("execute")
+    assert header == protocol.pack_header("execute", m.id, "p1", "ctl")
+    assert fields(protocol.pack_header("stop", "i", None, "r7"))["p"] is None
     assert serialize.loads(payload, []) == {"code": "1+1", "n": 3}
 
 
@@ -54,8 +82,8 @@ def test_large_arrays_travel_out_of_band_without_copy_into_pickle():
     env = bytes(frames[0])
     sig, header, payload = split(env)
     assert len(payload) < 4096  # the data is not in the pickle stream
-    head = json.loads(header)
-    assert head["nb"] == 2
+    head = fields(header)
+    assert head["nb"] == 2 and head["sh"] == []
     assert sorted(head["bl"]) == sorted([t.numel() * 4, arr.nbytes])
     assert head["bl"] == [memoryview(f).nbytes for f in frames[1:]]
     h = hmac.new(a._key, env[36:], hashlib.sha256)
@@ -131,7 +159,7 @@ def test_bytes_moved_between_frames_are_rejected():
     a, b = pair()
     frames = [bytes(f) for f in a.encode("push", {"a": np.arange(1000.0), "b": np.ones(600)})]
     env, b0, b1 = frames
-    assert len(frames) == 3 and json.loads(split(env)[1])["bl"] == [len(b0), len(b1)]
+    assert len(frames) == 3 and fields(split(env)[1])["bl"] == [len(b0), len(b1)]
     k = 8
     moved = [
         [env[:-k], env[-k:] + b0, b1],  # envelope tail -> buffer 0
@@ -148,14 +176,43 @@ def test_bytes_moved_between_frames_are_rejected():
         assert a._sign(fr[0][36:], fr[1:]) == env[4:36]
         with pytest.raises(ProtocolError, match="malformed"):
             b.decode(fr)
-    # a header that does not name its buffer lengths is no better
+    # a (signed) header that does not name its buffer lengths, or names other
+    # lengths with the same total, is no better
     _, header, payload = split(env)
-    head = json.loads(header)
-    del head["bl"]
-    with pytest.raises(ProtocolError, match="malformed"):
-        b.decode(a.seal(json.dumps(head).encode(), payload, [b0, b1]))
+    head = fields(header)
+    for bl in ([], [len(b0)], [len(b0) + len(b1)], [len(b0) - k, len(b1) + k],
+               [len(b0) + k, len(b1) - k], [len(b1), len(b0)], [len(b0), len(b1), 0]):
+        assert bl != head["bl"]
+        h = protocol.pack_header(head["t"], head["id"], head["p"], head["s"], bl)
+        with pytest.raises(ProtocolError, match="malformed"):
+            b.decode(a.seal(h, payload, [b0, b1]))
     m = b.decode(frames)  # none of the above counted as seen: the original still decodes
     np.testing.assert_array_equal(m.content["a"], np.arange(1000.0))
+
+
+def test_json_headers_of_version_1_are_malformed():
+    """A correctly signed message with a version 1 (JSON) header is refused."""
+    a, b = pair()
+    payload = serialize.dumps({"code": "1"})[0]
+    for head in ({"t": "execute", "id": "x", "p": None, "s": "ctl", "nb": 0},
+                 {"t": "execute", "id": "y", "p": None, "s": "ctl", "nb": 1, "bl": [3]}):
+        h = json.dumps(head, separators=(",", ":")).encode()
+        bufs = [b"abc"] if head["nb"] else []
+        with pytest.raises(ProtocolError, match="malformed"):
+            b.decode(a.seal(h, payload, bufs))
+    assert b.decode(a.seal(protocol.pack_header("execute", "x", None, "ctl"),
+                           payload)).content == {"code": "1"}  # the control
+
+
+def test_pack_header_refuses_what_the_layout_cannot_hold():
+    for bad in ({"type": "no-such-type"}, {"id": "\xe9"}, {"sender": "r\u00e9"},
+                {"parent": "p" * 255}, {"id": "i" * 255}):
+        kw = {"type": "execute", "id": "x", "parent": None, "sender": "ctl", **bad}
+        with pytest.raises((ValueError, KeyError)):
+            protocol.pack_header(**kw)
+    h = protocol.pack_header("execute", "i" * 254, "p" * 254, "s" * 254, [1, 2], [1])
+    assert protocol._parse_header(h) == ("execute", "i" * 254, "p" * 254, "s" * 254, (1, 2), (1,))
+    assert protocol._parse_header(protocol.pack_header("call", "x", "", "ctl"))[2] == ""
 
 
 def test_size_limits():

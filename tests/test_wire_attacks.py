@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -47,6 +48,12 @@ def _split(frames: list[Any]) -> tuple[bytes, bytes]:
     n = int.from_bytes(env[36:40], "little")
     assert 40 + n <= len(env)
     return env[40:40 + n], env[40 + n:]
+
+
+def _fields(header: bytes) -> dict:
+    """The fields of binary header bytes (protocol._parse_header)."""
+    t, mid, parent, sender, lengths, sh = protocol._parse_header(header)
+    return {"t": t, "id": mid, "p": parent, "s": sender, "bl": list(lengths), "sh": list(sh)}
 
 
 def _envelope(header: bytes, payload: bytes, sig: bytes = b"\0" * 32,
@@ -115,7 +122,7 @@ class FakeController:
     def execute(self, code: str, timeout: float = 30) -> tuple[dict, str]:
         """Run ``code`` (correctly signed); its reply content and stdout."""
         frames = self.codec.encode("execute", {"code": code})
-        mid = json.loads(_split(frames)[0])["id"]
+        mid = _fields(_split(frames)[0])["id"]
         self.send_raw(frames)
         out = []
         while True:
@@ -219,9 +226,11 @@ def test_tampered_message_is_dropped(fake, marker):
     h, _ = _split(frames)
     payload = bytes(serialize.dumps({"code": _marker_code(marker)})[0])
     swapped = [_envelope(h, payload, sig)]
-    header = json.loads(h)
-    header["t"] = "stop"
-    retyped = [_envelope(json.dumps(header).encode(), payload, sig)]
+    header = _fields(h)
+    assert header["t"] == "execute"
+    stop = protocol.pack_header("stop", header["id"], header["p"], header["s"])
+    assert stop != h and len(stop) == len(h) and _fields(stop)["t"] == "stop"
+    retyped = [_envelope(stop, payload, sig)]
     _attack(fake, marker, [swapped, retyped], expect="bad message signature")
 
 
@@ -271,8 +280,7 @@ def test_oversized_buffers_are_dropped(fake, marker):
 def test_garbage_frames_are_dropped(fake, marker):
     rng = np.random.default_rng(9)
     evil = pickle.dumps({"code": _marker_code(marker), "evil": Evil(str(marker))})
-    head = json.dumps({"t": "execute", "id": "other-version", "p": None, "s": "ctl",
-                       "nb": 0}).encode()
+    head = protocol.pack_header("execute", "other-version", None, "ctl")
     sealed = bytes(fake.codec.seal(head, evil)[0])  # signed with the right key...
     messages: list[list[Any]] = [
         [b""],
@@ -282,7 +290,7 @@ def test_garbage_frames_are_dropped(fake, marker):
         [protocol.MAGIC, b"", b"", b""],
         [protocol.MAGIC + bytes(36)],  # zero signature, empty header
         [b"MK/1", b"0" * 64, b"{}", evil],  # version 1 framing
-        [_envelope(b"{}", evil, magic=b"MK/3")],  # another protocol version
+        [_envelope(head, evil, magic=b"MK/3")],  # another protocol version
         [b"MK/1" + sealed[4:]],  # ... even correctly signed, a wrong magic is refused
         [rng.bytes(int(n)) for n in rng.integers(0, 300, size=7)],
         [protocol.MAGIC + rng.bytes(300), *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=4))],
@@ -294,32 +302,61 @@ def test_signed_but_malformed_headers_are_dropped(fake, marker):
     """Even with the right key (a buggy sender), a bad header is a ProtocolError,
     never a crash of the worker's I/O thread."""
     payload = bytes(serialize.dumps({"code": _marker_code(marker)})[0])
+    pack = protocol.pack_header
 
-    def signed(header: Any, buffers: tuple = ()) -> list[bytes]:
-        return fake.codec.seal(json.dumps(header).encode(), payload, buffers)
+    def signed(header: bytes, buffers: tuple = ()) -> list[bytes]:
+        return fake.codec.seal(header, payload, buffers)
 
-    def beyond(header: Any) -> list[bytes]:  # a header length past the end of the frame
-        h = json.dumps(header).encode()
-        body = (len(h) + len(payload) + 1).to_bytes(4, "little") + h + payload
+    def raw(code: int = protocol.TYPE_CODES.index("execute"), sender: bytes = b"ctl",
+            mid: bytes = b"x", parent: bytes | None = None, lengths: tuple = (),
+            sh: tuple = (), declared: dict | None = None) -> bytes:
+        """A header by hand, with whatever bytes and declared lengths and counts."""
+        d = {"ls": len(sender), "li": len(mid), "lp": 255 if parent is None else len(parent),
+             "nb": len(lengths), "nsh": len(sh), **(declared or {})}
+        return b"".join((struct.pack("<BBBBHH", code, d["ls"], d["li"], d["lp"], d["nb"],
+                                     d["nsh"]),
+                         sender, mid, parent or b"", struct.pack(f"<{len(lengths)}Q", *lengths),
+                         struct.pack(f"<{len(sh)}H", *sh)))
+
+    def beyond(header: bytes) -> list[bytes]:  # a header length past the end of the frame
+        body = (len(header) + len(payload) + 1).to_bytes(4, "little") + header + payload
         return [protocol.MAGIC + fake.codec._sign(body) + body]
 
-    base = {"t": "execute", "id": "x", "p": None, "s": "ctl", "nb": 0}
+    # the controls: the hand-built header is the packed one, and it is accepted
+    assert raw(mid=b"m0") == pack("execute", "m0", None, "ctl")
+    assert _fields(raw(mid=b"m0", parent=b"p", lengths=(3,), sh=(0,))) == {
+        "t": "execute", "id": "m0", "p": "p", "s": "ctl", "bl": [3], "sh": [0]}
     messages = [
-        signed({**base, "id": "m1", "t": "no-such-type"}),
-        signed({**base, "id": "m2", "t": ["execute"]}),  # unhashable type
-        signed({**base, "id": "m3", "nb": 3}),  # buffer count mismatch
-        signed({**base, "id": "m3b", "nb": 1}, (b"abc",)),  # buffer lengths missing
-        signed({**base, "id": "m3c", "nb": 1, "bl": [4]}, (b"abc",)),  # ... or wrong
-        signed({**base, "id": 4}),  # id not a string
-        signed({**base, "id": "m5", "p": ["x"]}),  # parent not a string
-        signed({**base, "id": "m6", "s": {"r": 0}}),  # sender not a string
-        signed({k: v for k, v in base.items() if k != "t"}),
-        signed(["execute", "m7"]),
-        signed("execute"),
-        fake.codec.seal(b"\xff{", payload),
-        beyond({**base, "id": "m8"}),
+        signed(pack(len(protocol.TYPE_CODES), "m1", None, "ctl")),  # unknown type code
+        signed(pack(255, "m2", None, "ctl")),
+        signed(pack("execute", "m3", None, "ctl", (0, 0, 0))),  # buffer count mismatch
+        signed(pack("execute", "m3b", None, "ctl"), (b"abc",)),  # buffer lengths missing
+        signed(pack("execute", "m3c", None, "ctl", (4,)), (b"abc",)),  # ... or wrong
+        signed(pack("execute", "m3d", None, "ctl", (3, 0)), (b"abc",)),  # ... or too many
+        signed(pack("execute", "m3e", None, "ctl", (3,), (1,)), (b"abc",)),  # shm index too big
+        signed(pack("execute", "m3f", None, "ctl", (3,), (0,)), (b"abc",)),  # not a descriptor
+        signed(raw(mid=b"m\xe94")),  # id not ASCII
+        signed(raw(mid=b"m5", parent=b"\xff")),  # parent not ASCII
+        signed(raw(mid=b"m6", sender=b"r\x800")),  # sender not ASCII
+        signed(raw(mid=b"m7", declared={"li": 9})),  # lengths that do not add up: too long
+        signed(raw(mid=b"m7b", declared={"ls": 0})),  # ... too short
+        signed(raw(mid=b"m7c", declared={"lp": 0}, parent=b"p")),
+        signed(raw(mid=b"m7d", declared={"nb": 1})),  # a buffer length that is not there
+        signed(raw(mid=b"m7e", declared={"nsh": 2}, sh=(0,))),
+        signed(raw(mid=b"m7f") + b"\0"),  # a byte beyond the declared fields
+        signed(pack("execute", "m8", None, "ctl")[:7]),  # truncated: not even the fixed part
+        signed(pack("execute", "m8b", "p", "ctl")[:-1]),  # truncated in the names
+        signed(pack("execute", "m8c", None, "ctl", (3,))[:-1], (b"abc",)),  # in the lengths
+        signed(b""),
+        signed(json.dumps({"t": "execute", "id": "m9", "p": None, "s": "ctl",
+                           "nb": 0}).encode()),  # a version 1 (JSON) header
+        signed(b"\xff{"),
+        beyond(pack("execute", "m10", None, "ctl")),
     ]
     _attack(fake, marker, messages, expect="malformed message header")
+    assert "malformed shared-memory descriptor" in fake.log()
+    fake.send_raw(signed(pack("execute", "m0", None, "ctl")))  # the control
+    wait_for(marker.exists, 10, what="the well-formed execute")
 
 
 def test_default_header_limit_is_64_mib(tmp_path, marker):
@@ -417,7 +454,8 @@ def test_oversized_message_to_the_controller_is_dropped(mesh, caplog):
     ctx = zmq.Context()
     try:
         d = _dealer(ctx, mesh.controller.address, b"r1")
-        d.send_multipart([_envelope(b"{}", b"x" * protocol.DEFAULT_MAX_HEADER)])
+        head = protocol.pack_header("reply", "big", None, "r1")
+        d.send_multipart([_envelope(head, b"x" * protocol.DEFAULT_MAX_HEADER)])
         wait_for(lambda: _controller_drops(caplog), 20, what="the controller's warning")
         assert "exceeds the limit of 67108864 bytes" in _controller_drops(caplog)[0]
     finally:
@@ -655,7 +693,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
         data, packets = _sniff_a_cell(m, token)
         assert packets > 0
         assert token.encode() not in data, "mesh traffic beyond loopback travels in clear"
-        assert protocol.MAGIC not in data and b'"t":"execute"' not in data
+        assert protocol.MAGIC not in data and ctl.codec._prefix.encode() not in data
     finally:
         m.stop()
     assert "NOT encrypted" not in capfd.readouterr().err
@@ -668,6 +706,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd):
         assert m.controller.router.getsockopt(zmq.CURVE_SERVER) == 0
         data, _ = _sniff_a_cell(m, token)
         assert token.encode() in data and protocol.MAGIC in data  # the control: clear text is seen
+        assert m.controller.codec._prefix.encode() in data  # ... and so are header fields
     finally:
         m.stop()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
+from traitlets import Float
 
 from .. import __version__
 from .magics import MeshMagics
@@ -27,6 +28,11 @@ class MonarchKernel(IPythonKernel):
         "Monarch (mesh): an IPython kernel that drives a mesh of worker processes.\n"
         "Start one with  %mesh spawn 4  and run cells on it with  %%mesh"
     )
+    # ipykernel sleeps 0.5 ms after every cell before its reply ("FIXME: ... the
+    # flush doesn't seem to make it to the clients"); its OutStream.flush already
+    # waits for the IOPub thread, and frontends wait for the idle status after
+    # the outputs, so this kernel does not: a cell's round trip is 0.5 ms shorter
+    _execute_sleep = Float(0.0).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
