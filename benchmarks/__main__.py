@@ -1,6 +1,7 @@
 """``python -m benchmarks [--json out.json] [--quick]``: the whole suite.
 
-Measures, in one run on this machine: the raw pyzmq baseline, our figures,
+Measures, in one run on this machine: the raw pyzmq baseline, our figures
+(latency also in blocks alternating with the baseline, :mod:`.paired`),
 and the installed peers, for N = 2 and 4 workers, plus ``%%mesh pass``
 against ``%px pass``, telemetry overhead, idle worker memory and fan-out
 growth. Prints a table; the JSON holds every figure and each of ours as a
@@ -16,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from . import ours, peers, raw_zmq
+from . import ours, paired, peers, raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "calls_per_s", "tensor_gbps",
            "p2p_gbps", "spawn_s"]
@@ -47,6 +48,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
             if base.get(k):
                 ratios[k] = v / base[k]
         row["ratio_to_raw"] = ratios
+        print(f"[bench] N={n}: raw and ours in alternating blocks", file=sys.stderr, flush=True)
+        row["paired"] = paired.measure(n, calls)
         result["n"][str(n)] = row
     print("[bench] cells through the kernels", file=sys.stderr, flush=True)
     cells = 20 if quick else 40
@@ -92,6 +95,11 @@ def table(result: dict[str, Any]) -> str:
             ratio = row["ratio_to_raw"].get(m)
             shown = "-" if ratio is None else f"{ratio:.2f}x"
             lines.append(f"| {m} | " + " | ".join(vals) + f" | {shown} |")
+        pr = row.get("paired")
+        if pr:
+            lines.append("alternating blocks, ours / raw: " + ", ".join(
+                f"{m} {pr['monarch_kernel'][m]:,.0f} / {pr['raw_pyzmq'][m]:,.0f} us = "
+                f"{pr['ratio_to_raw'][m]:.2f}x" for m in ("call_p50_us", "bcast_p50_us")))
     c = result["cell_p50_us"]
     lines.append(f"\ncell_p50_us: %%mesh pass {c['monarch_kernel']:,.0f} us"
                  + (f", %px pass {c['ipyparallel_px']:,.0f} us, ratio "

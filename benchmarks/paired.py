@@ -1,0 +1,51 @@
+"""Latency of ours and of the raw baseline, measured in alternating blocks.
+
+On a shared VM the speed of the machine drifts over seconds (the raw pyzmq
+no-op call moved between 50 and 140 us within one session). With both meshes
+up, blocks of calls alternate between the raw DEALER/ROUTER echo and our
+actor endpoints, so both see the same machine and their ratio compares like
+with like. Figures: ``call_p50_us``, ``call_p99_us`` (one worker) and
+``bcast_p50_us`` (all N, gathered), each side, and ours / raw.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monarch_kernel.procmesh import spawn_procs
+
+from .ours import Bench
+from .raw_zmq import RawMesh
+from .stats import latencies_us, p50, p99
+
+
+def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
+    """Alternate ``block`` calls of each kind until each has ``calls``."""
+    raw = RawMesh(n)
+    procs = spawn_procs(n, telemetry_interval=1.0)
+    try:
+        actors = procs.spawn("bench", Bench)
+        one = actors.slice(procs=0)
+        fns = {
+            ("raw_pyzmq", "call"): lambda: raw.call(raw.ids[0]),
+            ("monarch_kernel", "call"): lambda: one.noop.call_one().get(),
+            ("raw_pyzmq", "bcast"): raw.bcast,
+            ("monarch_kernel", "bcast"): lambda: actors.noop.call().get(),
+        }
+        lat: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+        for k, fn in fns.items():
+            latencies_us(fn, 1, warmup=100)
+        for _ in range(max(1, calls // block)):
+            for k, fn in fns.items():
+                lat[k] += latencies_us(fn, block, warmup=3)
+        out: dict[str, Any] = {}
+        for side in ("raw_pyzmq", "monarch_kernel"):
+            out[side] = {"call_p50_us": p50(lat[side, "call"]),
+                         "call_p99_us": p99(lat[side, "call"]),
+                         "bcast_p50_us": p50(lat[side, "bcast"])}
+        out["ratio_to_raw"] = {m: out["monarch_kernel"][m] / out["raw_pyzmq"][m]
+                               for m in out["raw_pyzmq"]}
+        return out
+    finally:
+        procs.stop()
+        raw.close()
