@@ -128,6 +128,7 @@ class _ActorInstance:
         # adaptive batching of replies (see _may_hold)
         self._held: list[tuple[str, Packed]] = []  # (call id, value) not sent yet
         self._held_at = 0.0
+        self._held_lock = threading.Lock()
         self._ahead: Any = _NOTHING  # the next queued item, taken out to look at it
         self._fast: dict[str, bool] = {}  # endpoint -> its last call ran under FAST_S
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -190,6 +191,8 @@ class _ActorInstance:
                 self._held and time.perf_counter() - self._held_at > HOLD_S):
             return False
         if self._ahead is _NOTHING:
+            if self.queue.empty():
+                return False
             try:
                 self._ahead = self.queue.get_nowait()
             except queue.Empty:
@@ -200,14 +203,21 @@ class _ActorInstance:
 
     def _flush(self) -> None:
         """Send the held replies (one message for several)."""
-        held = self._held
-        if not held:
+        if not self._held:
             return
-        self._held = []
-        if len(held) == 1:
-            self.worker.reply(held[0][0], "ok", held[0][1])
-        else:
-            self.worker.reply_many(held)
+        with self._held_lock:  # the worker's I/O thread may flush too (flush_stale)
+            held, self._held = self._held, []
+            if len(held) == 1:
+                self.worker.reply(held[0][0], "ok", held[0][1])
+            elif held:
+                self.worker.reply_many(held)
+
+    def flush_stale(self) -> None:
+        """Send held replies older than HOLD_S (the worker's I/O thread, while
+        this actor runs a call that turned out slow: a held reply then waits
+        for at most one turn of that thread, about 20 ms, not for the call)."""
+        if self._held and time.perf_counter() - self._held_at > HOLD_S:
+            self._flush()
 
     def _run_maybe_async(self, value: Any) -> Any:
         if asyncio.iscoroutine(value):
@@ -290,9 +300,10 @@ class _ActorInstance:
         try:
             if (status == "ok" and route is None and not oneway and not out.buffers
                     and len(out.payload) < 4096 and self._may_hold()):
-                if not self._held:
-                    self._held_at = time.perf_counter()
-                self._held.append((mid, out))
+                with self._held_lock:
+                    if not self._held:
+                        self._held_at = time.perf_counter()
+                    self._held.append((mid, out))
             else:
                 self._flush()
                 _answer(w, mid, c, route, status, out)

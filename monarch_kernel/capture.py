@@ -125,8 +125,9 @@ class FdCapture:
                 stream.flush()
             except (ValueError, OSError):
                 pass
-        with self._lock:
-            self._read_all(list(self._read))
+        if self._read:  # (passive: the controller reads the pipes itself)
+            with self._lock:
+                self._read_all(list(self._read))
 
     def close(self) -> None:
         """Restore the original fds; forward what is left."""

@@ -167,10 +167,14 @@ class Packed:
     @classmethod
     def pack(cls, obj: Any) -> Packed:
         """Pickle ``obj`` now (raises SerializationError)."""
+        if obj is None and cls is Packed:
+            return _PACKED_NONE  # the value of most endpoints: made once
         return cls(*dumps(obj))
 
     def unpack(self) -> Any:
         """Unpickle (raises SerializationError)."""
+        if self.payload == _NO_ARGS:  # an endpoint called without arguments
+            return (), {}
         return loads(self.payload, self.buffers)
 
     def __reduce__(self) -> tuple:
@@ -179,6 +183,8 @@ class Packed:
 
 
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+_PACKED_NONE = Packed(pickle.dumps(None, protocol=PROTOCOL))
+_NO_ARGS = pickle.dumps(((), {}), protocol=PROTOCOL)
 
 
 def _plain(obj: Any, depth: int) -> bool:

@@ -52,10 +52,13 @@ class WorkerIO:
             while not self.stopping.is_set():
                 if self._want or time.monotonic() - self._led_at < 0.01:
                     time.sleep(0.02)  # an actor leads, or led just now
+                    self._flush_stale_replies()
                     continue
                 with self._lead:
                     if not self._want:
-                        self._io_step(100)
+                        self._flush_stale_replies()
+                        held = any(a._held for a in list(self.actors.values()))
+                        self._io_step(20 if held else 100)
         except BaseException:  # without this thread the rank is deaf: leave, loudly
             log.exception("rank %d: the I/O thread failed; exiting", self.rank)
             _exit(1)
@@ -63,6 +66,13 @@ class WorkerIO:
             with self._lead:
                 self.dealer.close(0)
                 self.pull.close(0)
+
+    def _flush_stale_replies(self) -> None:
+        for inst in list(self.actors.values()):
+            try:
+                inst.flush_stale()
+            except Exception:  # noqa: BLE001 - the connection is closing
+                log.debug("could not flush held replies", exc_info=True)
 
     def wake(self) -> None:
         """Wake the thread that leads from its poll (any thread)."""

@@ -288,6 +288,33 @@ def test_a_thousand_calls_arrive_in_order(counters):
     assert one.history.call_one().get(timeout=30) == list(range(1000))
 
 
+class Pacer(Actor):
+    @endpoint
+    def nap(self, seconds: float = 0.0) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_reply_is_never_held_behind_a_slow_call(procs):
+    """Replies to quick calls may leave together (a batch), but a held reply never
+    waits for a later call that turns out slow."""
+    m = procs.spawn(f"pacer{next(_names)}", Pacer)
+    try:
+        one = m.slice(procs=2)
+        for _ in range(5):
+            one.nap.call_one().get(timeout=10)
+        block = one.nap.call_one(0.3)  # the next two queue up behind it
+        quick = one.nap.call_one(0.0)  # runs quick: its reply may be held for the next...
+        slow = one.nap.call_one(3.0)  # ...which the worker expects quick, and is not
+        block.get(timeout=10)
+        t0 = time.monotonic()
+        assert quick.get(timeout=10) == 0.0
+        assert time.monotonic() - t0 < 1.0, "a reply waited for the next (slow) call"
+        assert slow.get(timeout=10) == 3.0
+    finally:
+        m.stop()
+
+
 def test_one_message_at_a_time_and_actors_run_concurrently(procs, counters):
     futures = [counters.slice(procs=0).sleep.call_one(0.05) for _ in range(5)]
     [f.get(timeout=30) for f in futures]
