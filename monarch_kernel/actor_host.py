@@ -212,12 +212,14 @@ class _ActorInstance:
             elif held:
                 self.worker.reply_many(held)
 
-    def flush_stale(self) -> None:
+    def flush_stale(self) -> bool:
         """Send held replies older than HOLD_S (the worker's I/O thread, while
         this actor runs a call that turned out slow: a held reply then waits
-        for at most one turn of that thread, about 20 ms, not for the call)."""
+        for at most one turn of that thread, about 20 ms, not for the call).
+        True if younger replies are still held."""
         if self._held and time.perf_counter() - self._held_at > HOLD_S:
             self._flush()
+        return bool(self._held)
 
     def _run_maybe_async(self, value: Any) -> Any:
         if asyncio.iscoroutine(value):

@@ -106,11 +106,7 @@ class ControllerIO:
         me = threading.get_ident()
         if self._leader == me or threading.current_thread() is self._thread:
             # nested (a callback waits, on a thread that leads): go on leading here
-            while not event.is_set() and not self._closed.is_set():
-                left = 0.05 if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
+            self._lead_until(event, deadline, None)
             return event.is_set()
         # a SIGINT in the main thread is held back over all of this (bookkeeping
         # included): KeyboardInterrupt is raised when the lead is given back
@@ -155,9 +151,11 @@ class ControllerIO:
                 self._want -= 1
 
     def _lead_until(self, event: threading.Event, deadline: float | None,
-                    sigint: DeferredSigint) -> bool | None:
+                    sigint: DeferredSigint | None) -> bool | None:
+        """Do I/O steps until ``event`` is set (True), the deadline or a held-back
+        SIGINT (False), or the controller closes (None)."""
         while not event.is_set():
-            if sigint.hit is not None:  # raised as KeyboardInterrupt once leading stops
+            if sigint is not None and sigint.hit is not None:  # raised once leading stops
                 return False
             if self._closed.is_set():
                 return None

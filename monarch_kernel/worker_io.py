@@ -56,8 +56,7 @@ class WorkerIO:
                     continue
                 with self._lead:
                     if not self._want:
-                        self._flush_stale_replies()
-                        held = any(a._held for a in list(self.actors.values()))
+                        held = self._flush_stale_replies()
                         self._io_step(20 if held else 100)
         except BaseException:  # without this thread the rank is deaf: leave, loudly
             log.exception("rank %d: the I/O thread failed; exiting", self.rank)
@@ -67,12 +66,15 @@ class WorkerIO:
                 self.dealer.close(0)
                 self.pull.close(0)
 
-    def _flush_stale_replies(self) -> None:
+    def _flush_stale_replies(self) -> bool:
+        """Send actors' replies held too long; True if some are still held."""
+        held = False
         for inst in list(self.actors.values()):
             try:
-                inst.flush_stale()
+                held = inst.flush_stale() or held
             except Exception:  # noqa: BLE001 - the connection is closing
                 log.debug("could not flush held replies", exc_info=True)
+        return held
 
     def wake(self) -> None:
         """Wake the thread that leads from its poll (any thread)."""
