@@ -45,14 +45,13 @@ other actors as arguments.
 What an endpoint prints during a call from the controller is shown, tagged
 by rank, when its future is waited on; failures reach the caller as an
 :class:`~monarch_kernel.errors.ActorError` that is also an instance of the
-original exception type.
+original exception type (both: :mod:`monarch_kernel.actor_replies`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import sys
 import threading
 import weakref
@@ -61,13 +60,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from .actor_host import Packed, actor_point, context, dispatch_call, spawn_local, stop_local
+from .actor_replies import CallOutput, raise_failures, show_display
 from .controller import Request
-from .errors import ActorError, MeshFailure, RemoteFailure, group_failures, remote_exception
+from .errors import ActorError, MeshFailure
 from .future import Future
 from .mesh import Point, Shape, ValueMesh
 from .sources import has_code, sources_for
 
 log = logging.getLogger("monarch_kernel.actor")
+
+# the names actor_spawn, tensors and kernel.debug_bridge import from here
+_Output, _raise_failures, _display = CallOutput, raise_failures, show_display
 
 __all__ = [
     "Actor",
@@ -355,7 +358,7 @@ class ActorMesh(Generic[A]):
         if _current_worker() is None:  # the controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
-            fut: Future[Any] = Future(pump=_Output(req), waiter=ctl.wait_for,
+            fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
                                       resume=ctl.resume_io)
         else:
             fut = Future(guard=_self_call_guard(rec, ranks))
@@ -413,7 +416,7 @@ class Endpoint:
         name = mesh.name
 
         def finish(req: Request) -> ValueMesh:
-            _raise_failures(req, name)
+            raise_failures(req, name)
             return ValueMesh(shape, [req.replies[r][1].unpack() for r in shape.ranks])
 
         return mesh._future(shape.ranks, self._name, args, kwargs, finish)
@@ -439,7 +442,7 @@ class Endpoint:
         name = self._mesh.name
 
         def finish(req: Request) -> Any:
-            _raise_failures(req, name)
+            raise_failures(req, name)
             return req.replies[rank][1].unpack()
 
         return self._mesh._future([rank], self._name, args, kwargs, finish)
@@ -523,75 +526,6 @@ def _self_call_guard(rec: _Record, ranks: list[int]) -> Callable[[], None] | Non
         )
 
     return guard
-
-
-def _raise_failures(req: Request, actor: str) -> None:
-    """Raise what went wrong with an actor call, if anything."""
-    if req.failure is not None:
-        raise req.failure
-    errors = [(r, v) for r, (status, v) in sorted(req.replies.items()) if status == "error"]
-    if not errors:
-        return
-    failures = []
-    for rank, v in errors:
-        exc = v.get("exc")
-        if isinstance(exc, Packed):
-            try:
-                exc = exc.unpack()
-            except Exception:  # noqa: BLE001 - the text still describes it
-                exc = None
-        if v.get("rejected") and isinstance(exc, MeshFailure):
-            raise exc  # the actor is not there (stopped, never spawned)
-        failures.append(RemoteFailure(rank, exc, v["type"], v["message"], v["traceback"], actor))
-    groups = group_failures(failures)
-    err = remote_exception(groups[0], ActorError)
-    if len(groups) > 1:
-        err.others = [remote_exception(g, ActorError) for g in groups[1:]]
-    raise err
-
-
-class _Output:
-    """Shows what ranks printed during a call (rank-tagged), while it is waited on."""
-
-    def __init__(self, req: Request) -> None:
-        self.req = req
-        self.printer: Any = None
-
-    def __call__(self, final: bool) -> None:
-        q = self.req.events
-        if self.printer is None and (q.empty() or (final and q.qsize() == 1 and self.req.done())):
-            return  # nothing printed (at the end, only the "done" mark is left)
-        from .output import RankPrinter, write_stream
-
-        if self.printer is None:
-            self.printer = RankPrinter(write_stream)
-        while True:
-            try:
-                ev = q.get_nowait()
-            except queue.Empty:
-                break
-            if ev[0] == "stream":
-                self.printer.feed(ev[1], ev[2], ev[3])
-            elif ev[0] == "display":
-                _display(ev[1], ev[2])
-            elif ev[0] == "debug":  # the endpoint paused in pdb: the kernel's console serves it
-                bridge = sys.modules.get("monarch_kernel.kernel.debug_bridge")
-                if bridge is not None:
-                    bridge.call_debug_event(self.req, ev, self.printer)
-        if final:
-            self.printer.close()
-        else:
-            self.printer.flush_lines()
-
-
-def _display(rank: int, content: dict[str, Any]) -> None:
-    ip = sys.modules.get("IPython")
-    shell = ip.get_ipython() if ip is not None else None
-    if shell is None:
-        return
-    md = dict(content.get("metadata") or {})
-    md["monarch_rank"] = rank
-    shell.display_pub.publish(data=content["data"], metadata=md)
 
 
 def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,

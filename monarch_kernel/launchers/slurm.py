@@ -22,6 +22,12 @@ The Slurm command-line interface is the only contract used (as in
 submitit and dask-jobqueue); parsing accepts the JSON of Slurm 21.08 to 24.x
 (``job_state`` as a string or a list, ``exit_code`` as a wait status or an
 object) and the column output of older versions.
+
+This module is the launcher: it submits, waits, watches, signals and
+cancels. What it submits (the per-task script, the ``sbatch`` and ``srun``
+command lines, the key file) is composed in :mod:`.slurm_job`, which also
+holds the record of one launch (:class:`~.slurm_job.SlurmUnit`); reading
+Slurm's answers, whatever its version, is :mod:`.slurm_cli`.
 """
 
 from __future__ import annotations
@@ -39,12 +45,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MeshError, MeshFailure
 from ..netaddr import address_towards, primary_address
-from .base import Launcher, LaunchSpec, Placement, worker_command
+from .base import Launcher, LaunchSpec, Placement
 from .slurm_cli import (
     ACTIVE_STATES,
     WAITING_STATES,
@@ -59,6 +64,17 @@ from .slurm_cli import (
     slurmctld_host,
     unlink_quiet,
 )
+from .slurm_job import (
+    SlurmUnit,
+    batch_script,
+    geometry,
+    job_env,
+    sbatch_command,
+    srun_command,
+    task_lines,
+    task_script,
+    write_key_file,
+)
 
 __all__ = [
     "ACTIVE_STATES",
@@ -71,32 +87,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("monarch_kernel.launchers.slurm")
-
-_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
-
-
-@dataclass
-class _Unit:
-    """One launch: a batch job, or a step inside the user's allocation."""
-
-    job_id: str
-    ranks: list[int]
-    step_name: str
-    output: str | None
-    key_file: str | None = None
-    proc: subprocess.Popen | None = None  # the srun of an allocation step
-    step: str | None = None
-    step_tried: float = 0.0  # when squeue --steps was last asked
-    state: str = "PENDING"
-    reason: str = ""
-    nodes: str = ""
-    exit_code: int | None = None
-    ended: bool = False
-    started: bool = False  # seen running
-    next_check: float = 0.0  # when the watcher asks Slurm next
-    live: set[int] = field(default_factory=set)  # ranks whose exit is still to report
-    leftover_done: set[int] = field(default_factory=set)
-
 
 class SlurmLauncher(Launcher):
     """Start each rank as one task of a Slurm job.
@@ -179,8 +169,8 @@ class SlurmLauncher(Launcher):
         self.pending_timeout = pending_timeout
         self.report = report or (lambda text: print(text, flush=True))
         self.controller: Any = None
-        self.units: list[_Unit] = []
-        self._unit_of: dict[int, _Unit] = {}
+        self.units: list[SlurmUnit] = []
+        self._unit_of: dict[int, SlurmUnit] = {}
         self._exits: dict[int, int] = {}
         self._query = JobQuery(lambda *a, **kw: self._run(*a, **kw))
         self._lock = threading.RLock()
@@ -207,7 +197,7 @@ class SlurmLauncher(Launcher):
         ``GONE`` once Slurm forgot the job). See :class:`.slurm_cli.JobQuery`."""
         return self._query(job_id)
 
-    def _find_step(self, unit: _Unit) -> None:
+    def _find_step(self, unit: SlurmUnit) -> None:
         unit.step_tried = time.monotonic()
         try:
             cp = self._run(["squeue", "-h", "--steps", "--jobs", unit.job_id,
@@ -223,48 +213,8 @@ class SlurmLauncher(Launcher):
                 return
 
     # ----------------------------------------------------------------- launch
-    def _task_script(self, spec: LaunchSpec, ranks: list[int], key_file: str | None) -> str:
-        cmd = worker_command(spec, None, self.python)
-        lines = [
-            "set -e",
-            f"ranks=({' '.join(str(r) for r in ranks)})",
-            'r=${ranks[${SLURM_PROCID:?this script runs as an srun task}]}',
-        ]
-        if key_file is not None:
-            lines.append(f"MONARCH_MESH_KEY=$(<{shlex.quote(key_file)}); export MONARCH_MESH_KEY")
-        cases = [f"{r}) export {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())};;"
-                 for r, env in spec.env.items() if r in ranks and env]
-        if cases:
-            lines.append('case "$r" in ' + " ".join(cases) + " esac")
-        lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
-        lines.append("exec " + " ".join(shlex.quote(c) for c in cmd) + ' --rank "$r"')
-        return "\n".join(lines) + "\n"
-
-    def _geometry(self, spec: LaunchSpec, ranks: list[int]) -> list[str]:
-        n = len(ranks)
-        hosts = int(spec.shape.get("hosts", 1)) if len(ranks) == spec.world_size else 1
-        nodes = min(self.nodes or hosts, n)
-        args = [f"--nodes={nodes}", f"--ntasks={n}"]
-        if nodes == hosts and n % nodes == 0:
-            args.append(f"--ntasks-per-node={n // nodes}")
-        return args
-
-    def _env(self, spec: LaunchSpec, key_file: str | None) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("MONARCH_MESH_KEY", None)
-        if key_file is None:
-            env["MONARCH_MESH_KEY"] = spec.key.hex()
-        return env
-
     def _write_key(self, key: bytes) -> str | None:
-        if self.key_dir is None:
-            return None
-        os.makedirs(self.key_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.key_dir, f".monarch-key-{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex())
-        return path
+        return None if self.key_dir is None else write_key_file(self.key_dir, key)
 
     def launch(self, spec: LaunchSpec) -> None:
         """Submit the job (or start the step) for ``spec.ranks``; returns at once.
@@ -299,29 +249,15 @@ class SlurmLauncher(Launcher):
             self._watcher.start()
 
     def _launch_job(self, spec: LaunchSpec, ranks: list[int], step_name: str,
-                    key_file: str | None) -> _Unit:
-        geometry = self._geometry(spec, ranks)
-        task = self._task_script(spec, ranks, key_file)
-        script = (
-            "#!/bin/bash\n"
-            f"# monarch_kernel mesh {spec.shape} ranks {ranks[0]}..{ranks[-1]}; "
-            f"controller {spec.address}\n"
-            f"task={shlex.quote(task)}\n"
-            f"exec srun --job-name={shlex.quote(step_name)} {' '.join(geometry)} "
-            "--distribution=block --kill-on-bad-exit=0 --label bash -c \"$task\"\n"
-        )
-        cmd = ["sbatch", "--parsable", f"--job-name={self.job_name}",
-               f"--output={self.output}", f"--chdir={os.getcwd()}", "--no-requeue",
-               *geometry]
-        if not any(a.startswith("--export") for a in self.extra_args):
-            cmd.append("--export=ALL")
-        for flag, value in (("--partition", self.partition), ("--time", self.time),
-                            ("--account", self.account), ("--gpus-per-node", self.gpus_per_node)):
-            if value is not None:
-                cmd.append(f"{flag}={value}")
-        cmd += self.extra_args
+                    key_file: str | None) -> SlurmUnit:
+        geom = geometry(spec, ranks, self.nodes)
+        script = batch_script(spec, ranks, step_name, geom,
+                              task_script(spec, ranks, key_file, self.python))
+        cmd = sbatch_command(self.job_name, self.output, geom, self.extra_args, {
+            "--partition": self.partition, "--time": self.time, "--account": self.account,
+            "--gpus-per-node": self.gpus_per_node})
         try:
-            cp = self._run(cmd, input=script, env=self._env(spec, key_file), timeout=60)
+            cp = self._run(cmd, input=script, env=job_env(spec, key_file), timeout=60)
         except subprocess.TimeoutExpired:
             raise MeshError("sbatch did not answer within 60 s; is slurmctld up?") from None
         m = re.match(r"^\s*(\d+)", cp.stdout)
@@ -330,34 +266,30 @@ class SlurmLauncher(Launcher):
             raise MeshError(f"sbatch refused the job: {why[-1]}")
         job_id = m.group(1)
         output = self.output.replace("%u", getpass.getuser()).replace("%j", job_id)
-        return _Unit(job_id, ranks, step_name, output, key_file, live=set(ranks))
+        return SlurmUnit(job_id, ranks, step_name, output, key_file, live=set(ranks))
 
     def _launch_step(self, spec: LaunchSpec, ranks: list[int], step_name: str,
-                     key_file: str | None) -> _Unit:
+                     key_file: str | None) -> SlurmUnit:
         job_id = os.environ.get("SLURM_JOB_ID", "")
         if not job_id:
             raise MeshError("allocation=True needs SLURM_JOB_ID (run inside salloc or sbatch)")
         if self._tmpdir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="monarch-slurm-")
         fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out", dir=self._tmpdir)
-        cmd = ["srun", f"--jobid={job_id}", f"--job-name={step_name}",
-               *self._geometry(spec, ranks), "--distribution=block", "--kill-on-bad-exit=0",
-               "--label"]
-        if slurm_version() >= (20, 11):
-            cmd.append("--overlap")  # share the allocation with the user's other steps
-        if self.gpus_per_node is not None:
-            cmd.append(f"--gpus-per-node={self.gpus_per_node}")
-        cmd += [*self.extra_args, "bash", "-c", self._task_script(spec, ranks, key_file)]
+        cmd = srun_command(job_id, step_name, geometry(spec, ranks, self.nodes),
+                           self.gpus_per_node, self.extra_args,
+                           task_script(spec, ranks, key_file, self.python),
+                           overlap=slurm_version() >= (20, 11))
         try:
-            proc = subprocess.Popen(cmd, env=self._env(spec, key_file), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, env=job_env(spec, key_file), stdin=subprocess.DEVNULL,
                                     stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
         except FileNotFoundError:
             raise MeshError("srun not found: --launcher slurm needs the Slurm client "
                             "commands on PATH") from None
         finally:
             os.close(fd)
-        return _Unit(job_id, ranks, step_name, output, key_file, proc=proc, state="RUNNING",
-                     live=set(ranks))
+        return SlurmUnit(job_id, ranks, step_name, output, key_file, proc=proc, state="RUNNING",
+                         live=set(ranks))
 
     # ------------------------------------------------------------- waiting
     def attach(self, controller: Any) -> None:
@@ -384,7 +316,7 @@ class SlurmLauncher(Launcher):
                 self._wait_job(unit)
                 unit.started = True
 
-    def _wait_job(self, unit: _Unit) -> None:
+    def _wait_job(self, unit: SlurmUnit) -> None:
         t0 = last_print = time.monotonic()
         last: tuple[str, str] | None = None
         delay, unknown_since = 0.2, None
@@ -417,14 +349,14 @@ class SlurmLauncher(Launcher):
             time.sleep(delay)
             delay = min(2.0, delay * 1.5)
 
-    def _update(self, unit: _Unit, info: JobInfo) -> None:
+    def _update(self, unit: SlurmUnit, info: JobInfo) -> None:
         unit.state, unit.reason = info.state, info.reason
         if info.nodes:
             unit.nodes = info.nodes
         if not info.active or info.state == "COMPLETING":
             self._ended(unit, info.exit_code)
 
-    def _ended(self, unit: _Unit, code: int | None) -> None:
+    def _ended(self, unit: SlurmUnit, code: int | None) -> None:
         with self._lock:
             if unit.ended:
                 return
@@ -435,11 +367,11 @@ class SlurmLauncher(Launcher):
                 self._exits[r] = rc
             unit.live = set()
 
-    def _describe(self, unit: _Unit) -> str:
+    def _describe(self, unit: SlurmUnit) -> str:
         code = "" if unit.exit_code is None else f", exit code {unit.exit_code}"
         return f"{unit.state}{code}"
 
-    def _tail(self, unit: _Unit, lines: int = 10) -> str:
+    def _tail(self, unit: SlurmUnit, lines: int = 10) -> str:
         text = read_tail(unit.output)
         if not text:
             return ""
@@ -474,7 +406,7 @@ class SlurmLauncher(Launcher):
                 except Exception:  # the watcher must survive a bad answer
                     log.exception("watching Slurm job %s failed", unit.job_id)
 
-    def _connected(self, unit: _Unit) -> bool:
+    def _connected(self, unit: SlurmUnit) -> bool:
         ranks = self.controller.ranks if self.controller is not None else {}
         return all(r in ranks and ranks[r].state != "starting" for r in unit.live)
 
@@ -503,12 +435,7 @@ class SlurmLauncher(Launcher):
         text = read_tail(unit.output, 65536)
         if not text:
             return []
-        task = str(unit.ranks.index(rank))
-        mine = []
-        for line in text.splitlines():
-            m = _LABEL.match(line)
-            if m is None or m.group(1) == task:
-                mine.append(line if m is None else m.group(2))
+        mine = task_lines(text, str(unit.ranks.index(rank)))
         return [("stderr", ("\n".join(mine[-40:]) + "\n").encode())] if mine else []
 
     def placements(self) -> dict[int, Placement]:
@@ -545,20 +472,20 @@ class SlurmLauncher(Launcher):
             else:
                 self._kill_tasks(unit, mine, name)
 
-    def _units_of(self, ranks: list[int] | None) -> list[_Unit]:
+    def _units_of(self, ranks: list[int] | None) -> list[SlurmUnit]:
         with self._lock:
             if ranks is None:
                 return list(self.units)
             return list({id(u): u for r in ranks if (u := self._unit_of.get(r))}.values())
 
-    def _target(self, unit: _Unit) -> str | None:
+    def _target(self, unit: SlurmUnit) -> str | None:
         if unit.proc is None:
             return unit.job_id
         if unit.step is None:
             self._find_step(unit)
         return None if unit.step is None else f"{unit.job_id}.{unit.step}"
 
-    def _scancel(self, unit: _Unit, *args: str) -> None:
+    def _scancel(self, unit: SlurmUnit, *args: str) -> None:
         target = self._target(unit)
         if target is None:  # a step whose id we never saw: signal srun itself
             if unit.proc is not None and unit.proc.poll() is None:
@@ -573,7 +500,7 @@ class SlurmLauncher(Launcher):
         if cp.returncode != 0 and "already completing" not in cp.stderr.lower() + cp.stdout:
             log.info("scancel %s: %s", target, cp.stderr.strip())
 
-    def _kill_tasks(self, unit: _Unit, ranks: list[int], sig: str) -> None:
+    def _kill_tasks(self, unit: SlurmUnit, ranks: list[int], sig: str) -> None:
         by_host: dict[str, list[str]] = {}
         for r in ranks:
             info = self.controller.ranks.get(r) if self.controller is not None else None
@@ -625,7 +552,7 @@ class SlurmLauncher(Launcher):
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
-    def _gone(self, unit: _Unit) -> bool:
+    def _gone(self, unit: SlurmUnit) -> bool:
         """True once the job (or step) is no longer listed by Slurm."""
         if unit.proc is not None:
             return unit.proc.poll() is not None

@@ -1,0 +1,77 @@
+"""Helpers of the wire-attack tests (``tests/test_wire_attacks_*.py``).
+
+Messages built and taken apart by hand (:func:`split`, :func:`fields`,
+:func:`envelope`), a payload whose unpickling leaves a trace (:class:`Evil`),
+a raw DEALER (:func:`dealer`), the controller's "dropped a message" warnings
+(:func:`controller_drops`) and a 2-rank mesh for module fixtures
+(:func:`two_rank_mesh`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from monarch_kernel import protocol
+
+__all__ = ["Evil", "controller_drops", "dealer", "envelope", "fields", "split", "two_rank_mesh"]
+
+
+def split(frames: list[Any]) -> tuple[bytes, bytes]:
+    """(header bytes, payload) of a message's envelope frame (``frames[0]``)."""
+    env = bytes(frames[0])
+    assert env[:4] == protocol.MAGIC
+    n = int.from_bytes(env[36:40], "little")
+    assert 40 + n <= len(env)
+    return env[40:40 + n], env[40 + n:]
+
+
+def fields(header: bytes) -> dict:
+    """The fields of binary header bytes (protocol._parse_header)."""
+    t, mid, parent, sender, lengths, sh = protocol._parse_header(header)
+    return {"t": t, "id": mid, "p": parent, "s": sender, "bl": list(lengths), "sh": list(sh)}
+
+
+def envelope(header: bytes, payload: bytes, sig: bytes = b"\0" * 32,
+             magic: bytes = protocol.MAGIC) -> bytes:
+    """An envelope frame built by hand, with whatever signature (unsigned variants)."""
+    return magic + sig + len(header).to_bytes(4, "little") + header + payload
+
+
+class Evil:
+    """Unpickling it creates ``path``: proof that something was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "a"))
+
+
+def dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
+    """A DEALER with routing identity ``identity``, connected to ``address``."""
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.setsockopt(zmq.IDENTITY, identity)
+    s.connect(address)
+    return s
+
+
+def controller_drops(caplog) -> list[str]:
+    """The controller's "dropped a message" warnings caught by ``caplog``."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "monarch_kernel.controller" and "dropped a message" in r.getMessage()]
+
+
+def two_rank_mesh() -> Iterator[Any]:
+    """A 2-rank local mesh, stopped when the generator is closed (``yield from`` it
+    in a fixture)."""
+    from monarch_kernel.procmesh import spawn_procs
+
+    m = spawn_procs(2)
+    try:
+        yield m
+    finally:
+        m.stop()
