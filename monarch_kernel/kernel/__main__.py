@@ -8,4 +8,6 @@ if __name__ == "__main__":
 
     from monarch_kernel.kernel.kernel import MonarchKernel
 
-    IPKernelApp.launch_instance(kernel_class=MonarchKernel)
+    # outstream_class: ipykernel's OutStream without its idle flushes (see .iostream)
+    IPKernelApp.launch_instance(kernel_class=MonarchKernel,
+                                outstream_class="monarch_kernel.kernel.iostream.OutStream")
