@@ -53,12 +53,14 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
         result["n"][str(n)] = row
     print("[bench] cells through the kernels", file=sys.stderr, flush=True)
     cells = 20 if quick else 40
-    result["cell_p50_us"] = {"monarch_kernel": peers.mesh_pass(2, cells)}
+    mesh, plain = peers.mesh_pass(2, cells)
+    cell = result["cell_p50_us"] = {"monarch_kernel": mesh, "monarch_kernel_plain_pass": plain}
     if result["installed"]["ipyparallel"]:
         try:
-            result["cell_p50_us"]["ipyparallel_px"] = peers.px_pass(2, cells)
-            result["cell_p50_us"]["ratio_to_ipyparallel"] = (
-                result["cell_p50_us"]["monarch_kernel"] / result["cell_p50_us"]["ipyparallel_px"])
+            cell["ipyparallel_px"], cell["python3_plain_pass"] = peers.px_pass(2, cells)
+            cell["ratio_to_ipyparallel"] = mesh / cell["ipyparallel_px"]
+            # the floor: a cell that sends nothing anywhere, in our kernel, against %px
+            cell["plain_pass_ratio_to_ipyparallel"] = plain / cell["ipyparallel_px"]
         except Exception as e:  # noqa: BLE001
             result["cell_p50_us"]["ipyparallel_px"] = f"error: {e}"
     print("[bench] telemetry overhead", file=sys.stderr, flush=True)
@@ -104,6 +106,10 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"\ncell_p50_us: %%mesh pass {c['monarch_kernel']:,.0f} us"
                  + (f", %px pass {c['ipyparallel_px']:,.0f} us, ratio "
                     f"{c['ratio_to_ipyparallel']:.2f}" if "ratio_to_ipyparallel" in c else ""))
+    lines.append(f"plain `pass` cell: monarch kernel {c['monarch_kernel_plain_pass']:,.0f} us"
+                 + (f", python3 kernel {c['python3_plain_pass']:,.0f} us; monarch plain pass / "
+                    f"%px pass {c['plain_pass_ratio_to_ipyparallel']:.2f}"
+                    if "plain_pass_ratio_to_ipyparallel" in c else ""))
     if result.get("telemetry_cpu_pct") is not None:
         lines.append(f"telemetry_cpu_pct: {result['telemetry_cpu_pct']:.3f} % of a core per worker")
     fan = result["fanout"]

@@ -58,8 +58,9 @@ def ipyparallel(n: int, calls: int = 500, big: bool = True) -> dict[str, float]:
         cluster.stop_cluster_sync()
 
 
-def px_pass(n: int = 2, cells: int = 40) -> float:
-    """p50 of ``%px pass`` through a real python3 kernel (jupyter_client), in us."""
+def px_pass(n: int = 2, cells: int = 40) -> tuple[float, float]:
+    """p50 of ``%px pass`` through a real python3 kernel (jupyter_client), and of a
+    plain ``pass`` cell in the same kernel (what the kernel alone costs), in us."""
     from monarch_kernel.testing import KernelSession
 
     ks = KernelSession("python3")
@@ -69,7 +70,8 @@ def px_pass(n: int = 2, cells: int = 40) -> float:
                        "rc.activate()" % (n, n), timeout=180)
         if r.status != "ok":
             raise RuntimeError(r.error_text())
-        return _cell_p50(ks, "%px pass", cells, after="cluster.stop_cluster_sync()")
+        plain = _cell_p50(ks, "pass", cells)
+        return _cell_p50(ks, "%px pass", cells, after="cluster.stop_cluster_sync()"), plain
     finally:
         ks.shutdown()
 
@@ -89,8 +91,9 @@ def _cell_p50(ks: Any, code: str, cells: int, after: str | None = None) -> float
     return p50(lat)
 
 
-def mesh_pass(n: int = 2, cells: int = 40) -> float:
-    """p50 of ``%%mesh pass`` through the real monarch kernel, in us."""
+def mesh_pass(n: int = 2, cells: int = 40) -> tuple[float, float]:
+    """p50 of ``%%mesh pass`` through the real monarch kernel, and of a plain
+    ``pass`` cell in the same kernel (what the kernel alone costs), in us."""
     from monarch_kernel.testing import KernelSession
 
     ks = KernelSession("monarch")
@@ -98,7 +101,8 @@ def mesh_pass(n: int = 2, cells: int = 40) -> float:
         r = ks.execute(f"%mesh spawn {n}")
         if r.status != "ok":
             raise RuntimeError(r.error_text())
-        return _cell_p50(ks, "%%mesh\npass", cells, after="%mesh stop")
+        plain = _cell_p50(ks, "pass", cells)
+        return _cell_p50(ks, "%%mesh\npass", cells, after="%mesh stop"), plain
     finally:
         ks.shutdown()
 
