@@ -42,6 +42,13 @@ controller go through the controller's socket; calls an actor (or a
 (:mod:`monarch_kernel.actor_host`). Handles are picklable: pass them to
 other actors as arguments.
 
+An endpoint that waits for a call holds its actor meanwhile. A wait that
+could never end raises instead of hanging: a wait for a call to the
+actor's own endpoint (``RuntimeError``), and the call that would close a
+wait cycle between actors (``a.p`` waits for ``b.x``, which waits for
+``a.y``, queued behind ``a.p``): :class:`WaitCycleError`, see
+:mod:`monarch_kernel.actor_cycles`.
+
 What an endpoint prints during a call from the controller is shown, tagged
 by rank, when its future is waited on; failures reach the caller as an
 :class:`~monarch_kernel.errors.ActorError` that is also an instance of the
@@ -59,6 +66,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+from . import actor_cycles
+from .actor_cycles import WaitCycleError
 from .actor_host import Packed, actor_point, context, dispatch_call, spawn_local, stop_local
 from .actor_replies import CallOutput, raise_failures, show_display
 from .controller import Request
@@ -77,6 +86,7 @@ __all__ = [
     "ActorMesh",
     "Endpoint",
     "Future",
+    "WaitCycleError",
     "broadcast_failures",
     "current_rank",
     "current_size",
@@ -326,6 +336,8 @@ class ActorMesh(Generic[A]):
         if w is not None:
             from .actor_host import peer_host
 
+            if not oneway and getattr(context, "actor", None) is not None:
+                content["w"] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
             return peer_host(w).request(ranks, self._peers, content, oneway)
         pm = rec.procmesh
         if pm is None:
@@ -361,7 +373,7 @@ class ActorMesh(Generic[A]):
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
                                       resume=ctl.resume_io)
         else:
-            fut = Future(guard=_self_call_guard(rec, ranks))
+            fut = Future(guard=_wait_guard(rec, ranks, req, self._peers))
 
         def done(q: Request, pinned: tuple = (args, kwargs)) -> None:
             # ``pinned``: handles (tensors.Ref) among the arguments stay alive, so their
@@ -502,7 +514,9 @@ class Endpoint:
             for p in pumps:
                 p(final)
 
-        slots: list[Future[Any]] = [Future(pump=pump if pumps else None) for _ in inner]
+        guard = _any_of_guard(inner) if any(f._guard is not None for f in inner) else None
+        slots: list[Future[Any]] = [Future(pump=pump if pumps else None, guard=guard)
+                                    for _ in inner]
         counter = itertools.count()
 
         def arrived(f: Future[Any]) -> None:
@@ -513,17 +527,57 @@ class Endpoint:
         return iter(slots)
 
 
-def _self_call_guard(rec: _Record, ranks: list[int]) -> Callable[[], None] | None:
-    inst = getattr(context, "actor", None)
-    if inst is None or inst.uid != rec.uid or inst.point.rank not in ranks:
-        return None
+def _wait_guard(rec: _Record, ranks: list[int], req: Request,
+                peers: dict[int, str]) -> Callable[[], Any]:
+    """The guard of the future of a call made on a worker (see :class:`Future`).
 
-    def guard() -> None:
-        raise RuntimeError(
-            f"actor {rec.name!r} on rank {inst.point.rank} waits for a call to its own "
-            "endpoint, which cannot run until the current one returns (one message at a "
-            "time); call the method directly (self.method(...)) or use broadcast()"
-        )
+    On an actor's thread (the actor cannot handle other messages while it
+    waits): a wait for a call to that actor itself raises at once; any other
+    wait is watched for wait cycles (:mod:`monarch_kernel.actor_cycles`).
+    """
+
+    def guard() -> Callable[[bool], None] | None:
+        inst = getattr(context, "actor", None)  # the waiting thread's actor
+        if inst is None:
+            return None
+        if inst.uid == rec.uid and inst.point.rank in ranks:
+            raise RuntimeError(
+                f"actor {rec.name!r} on rank {inst.point.rank} waits for a call to its own "
+                "endpoint, which cannot run until the current one returns (one message at a "
+                "time); call the method directly (self.method(...)) or use broadcast()"
+            )
+        return actor_cycles.watcher(inst, req, rec.name, ranks, peers)
+
+    return guard
+
+
+def _any_of_guard(inner: list[Future[Any]]) -> Callable[[], Any]:
+    """The guard of a ``stream``'s futures: the wait ends when any pending call
+    is done, so it raises only when none of them can be (each is a call to the
+    waiting actor itself), and it watches each of them."""
+
+    def guard() -> Callable[[bool], None] | None:
+        pending = [f for f in inner if not f.done()]
+        watches: list[Callable[[bool], None]] = []
+        refused: list[RuntimeError] = []
+        for f in pending:
+            try:
+                w = f._guard() if f._guard is not None else None
+            except RuntimeError as e:
+                refused.append(e)
+                continue
+            if w is not None:
+                watches.append(w)
+        if pending and len(refused) == len(pending):
+            raise refused[0]
+        if not watches:
+            return None
+
+        def watch(on: bool) -> None:
+            for w in watches:
+                w(on)
+
+        return watch
 
     return guard
 

@@ -10,7 +10,10 @@ for the others):
     next message starts. Different actors run concurrently.
 ``monarch-peer``
     Owns this worker's *peer* socket, where other workers' actors call this
-    worker's actors directly (see :mod:`monarch_kernel.actor_peers`).
+    worker's actors directly (see :mod:`monarch_kernel.actor_peers`), and
+    where wait notices arrive: calls an actor makes are tracked while queued
+    or running here, and one that would close a wait cycle between actors
+    is answered at once with an error (see :mod:`monarch_kernel.actor_cycles`).
 
 Calls from the controller arrive on the worker's own DEALER and are handed
 to the actor's queue by :func:`dispatch_call` (from the worker's I/O thread,
@@ -34,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from . import actor_peers, telemetry
+from . import actor_cycles, actor_peers, telemetry
 from .actor_peers import peer_host, stats  # noqa: F401 - stats: re-exported
 from .errors import MeshFailure, SerializationError
 from .mesh import Point, Shape
@@ -114,6 +117,12 @@ class _ActorInstance:
         self._ahead: Any = _NOTHING  # the next queued item, taken out to look at it
         self._fast: dict[str, bool] = {}  # endpoint -> its last call ran under FAST_S
         self.loop: asyncio.AbstractEventLoop | None = None
+        # wait cycles (actor_cycles): the message being handled, calls made by actors
+        # that are queued or running here, calls this thread has waited for a while
+        self.current: Any = None
+        self.tracked: dict[str, Any] = {}
+        self.waits: dict[str, Any] = {}
+        self.wait_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"monarch-actor-{name}",
                                        daemon=True)
         self.thread.start()
@@ -149,12 +158,20 @@ class _ActorInstance:
                     self._flush()
                 if item is None:
                     break
+                self.current = item
                 if item[0] == "init":
                     self._construct(item[1], item[2])
                 elif item[0] == "supervise":
                     self._supervise(item[1])
-                else:
+                elif item[3] is None or "w" not in item[2]:
                     self._call(item[1], item[2], item[3])
+                elif actor_cycles.begin(self, item[1]):  # a call an actor made (tracked)
+                    try:
+                        self._call(item[1], item[2], item[3])
+                    finally:
+                        actor_cycles.end(self, item[1])
+                # (otherwise it was answered already: it would have closed a wait cycle)
+                self.current = None  # (and its arguments may go)
         finally:
             if self.loop is not None:
                 self.loop.close()

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from . import actor_cycles
 from . import shm as _shm
 from .controller import Request
 from .errors import MeshFailure, ProtocolError
@@ -206,6 +207,9 @@ class PeerHost:
             return
         self.messages_in += 1
         if msg.type != "call":
+            if msg.type == "event" and isinstance(msg.content, dict) and (
+                    msg.content.get("kind") == "wait"):  # an actor waits for a call: cycles?
+                actor_cycles.on_notice(self.worker, msg.content)
             return
         c = msg.content
         inst = self.worker.actors.get(c["a"])
@@ -214,6 +218,8 @@ class PeerHost:
 
             _reject(self.worker, msg.id, c, msg.identity)
         else:
+            if "w" in c:  # made by an actor: tracked while queued or running (actor_cycles)
+                actor_cycles.track(inst, msg.id, c, msg.identity)
             inst.post(("call", msg.id, c, msg.identity))
 
     def _reply(self, frames: list[Any]) -> None:

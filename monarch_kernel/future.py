@@ -31,6 +31,9 @@ T = TypeVar("T")
 
 _NOT_YET = object()
 
+#: seconds a wait lasts before the guard's ``watch`` is told (see Future)
+WATCH_AFTER_S = 0.02
+
 
 class Future(Generic[T]):
     """The eventual result of an actor call.
@@ -40,9 +43,12 @@ class Future(Generic[T]):
     pump : callable(final: bool) -> None, optional
         Called about every 50 ms while a thread or coroutine waits, and once
         with ``final=True`` after completion (shows the endpoint's output).
-    guard : callable() -> None, optional
+    guard : callable() -> watch or None, optional
         Called before blocking; raises instead of waiting forever (an actor
-        waiting for its own endpoint).
+        waiting for its own endpoint). It may return ``watch(on: bool)``,
+        called with True once the wait has lasted :data:`WATCH_AFTER_S` and
+        with False when that wait ends (an actor's thread waiting for a call:
+        wait cycles between actors, :mod:`monarch_kernel.actor_cycles`).
     waiter : callable(event, timeout) -> bool, optional
         Blocks until the completion event is set or ``timeout`` seconds pass
         (default ``event.wait``); the controller's ``wait_for`` reads the
@@ -181,10 +187,11 @@ class Future(Generic[T]):
         """
         ev = self._event
         if not ev.is_set():
-            if self._guard is not None:
-                self._guard()
+            watch = self._guard() if self._guard is not None else None
             wait = self._waiter or Flag.wait
-            if self._pump is None:
+            if watch is not None:  # an actor's thread waits for a call (see guard)
+                self._wait_watched(ev, wait, timeout, watch)
+            elif self._pump is None:
                 if not wait(ev, timeout):
                     raise _timeout(timeout)
             else:
@@ -204,6 +211,34 @@ class Future(Generic[T]):
 
     result = get
 
+    def _wait_watched(self, ev: Flag, wait: Callable[[Flag, float | None], bool],
+                      timeout: float | None, watch: Callable[[bool], None]) -> None:
+        """Wait, telling ``watch`` after WATCH_AFTER_S (and calling the pump, if
+        any, every 50 ms)."""
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        watch_at: float | None = now + WATCH_AFTER_S
+        try:
+            while True:
+                step = 0.05 if self._pump is not None else None
+                if watch_at is not None:
+                    step = watch_at - now if step is None else min(step, watch_at - now)
+                if deadline is not None:
+                    step = deadline - now if step is None else min(step, deadline - now)
+                if wait(ev, None if step is None else max(0.0, step)):
+                    return
+                now = time.monotonic()
+                if self._pump is not None:
+                    self._pump(False)
+                if deadline is not None and now >= deadline:
+                    raise _timeout(timeout)
+                if watch_at is not None and now >= watch_at:
+                    watch_at = None
+                    watch(True)
+        finally:
+            if watch_at is None:
+                watch(False)
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the call ended with, or None (waits like :meth:`get`)."""
         try:
@@ -221,8 +256,7 @@ class Future(Generic[T]):
 
     async def _wait_async(self) -> T:
         if not self._event.is_set():
-            if self._guard is not None:
-                self._guard()
+            watch = self._guard() if self._guard is not None else None
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
@@ -235,12 +269,23 @@ class Future(Generic[T]):
             self.add_done_callback(wake)
             if self._resume is not None:
                 self._resume()
-            if self._pump is None:
-                await waiter
-            else:
-                while not waiter.done():
-                    await asyncio.wait({waiter}, timeout=0.1)
-                    self._pump(False)
+            watching = False
+            try:
+                if watch is not None:  # an actor's thread, held while this coroutine waits
+                    await asyncio.wait({waiter}, timeout=WATCH_AFTER_S)
+                    if not waiter.done():
+                        watching = True
+                        watch(True)
+                if self._pump is None:
+                    await waiter
+                else:
+                    while not waiter.done():
+                        await asyncio.wait({waiter}, timeout=0.1)
+                        self._pump(False)
+            finally:
+                if watching:
+                    assert watch is not None
+                    watch(False)
         return self.get(0)
 
     def __repr__(self) -> str:
