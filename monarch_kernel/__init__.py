@@ -24,7 +24,7 @@ _EXPORTS = {
     "ProcMesh": "procmesh", "spawn_procs": "procmesh", "this_host": "procmesh",
     "HostMesh": "procmesh",
     "Actor": "actor", "ActorMesh": "actor", "endpoint": "actor", "Future": "actor",
-    "current_rank": "actor", "current_size": "actor",
+    "current_rank": "actor", "current_size": "actor", "WaitCycleError": "actor_cycles",
     "Ref": "tensors", "device_mesh": "tensor_store",
     "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
     "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
@@ -34,7 +34,7 @@ _EXPORTS = {
 __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
     "Shape", "Point", "ValueMesh", "ProcMesh", "spawn_procs", "this_host", "HostMesh",
     "Actor", "ActorMesh", "endpoint", "Future", "current_rank", "current_size",
-    "Ref", "device_mesh",
+    "WaitCycleError", "Ref", "device_mesh",
     "MonarchError", "MeshError", "MeshFailure", "RemoteError", "ActorError", "ProtocolError",
     "SerializationError", "TransportError",
 ]
