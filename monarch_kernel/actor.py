@@ -75,6 +75,7 @@ from .errors import ActorError, MeshFailure
 from .future import Future
 from .mesh import Point, Shape, ValueMesh
 from .sources import has_code, sources_for
+from .tensor_store import pickled_count
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -322,12 +323,17 @@ class ActorMesh(Generic[A]):
             cause = rec.stopped.get(r)
             if cause:
                 raise MeshFailure(f"actor {rec.name!r} on rank {r} {cause}", rank=r)
+        handles = pickled_count() if oneway else 0
         content: dict[str, Any] = {
             "a": rec.name, "m": method, "u": rec.uid,
             "p": Packed.pack((args, kwargs)) if args or kwargs else _EMPTY,
         }
         if oneway:
             content["o"] = True
+            if pickled_count() != handles:
+                # it carries handles (tensors.Ref) that nobody keeps alive until it ran:
+                # the rank takes their values on arrival, before a later "free"
+                content["r"] = True
         if keep:
             content["k"] = keep
         if has_code(args, kwargs):

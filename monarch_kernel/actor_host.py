@@ -362,7 +362,37 @@ def dispatch_call(worker: Any, msg: Any) -> None:
     if inst is None:
         _reject(worker, msg.id, c, None)
         return
+    if "r" in c:  # a one-way call with handles: take their values now (see _Unpacked)
+        if "s" in c:
+            register_sources(c["s"])
+        c["p"] = _Unpacked(c["p"])
     inst.post(("call", msg.id, c, None))
+
+
+class _Unpacked:
+    """A call's arguments unpickled when the call arrives, not when it runs.
+
+    For a one-way call (``broadcast``) that carries handles
+    (:class:`~monarch_kernel.tensors.Ref`): nobody keeps them alive until the
+    call ran, and a ``free`` the controller sends after the call may arrive
+    before the actor gets to it. The handles resolve to their values here,
+    in message order, so that such a ``free`` drops nothing the call uses.
+    """
+
+    __slots__ = ("error", "value")
+
+    def __init__(self, packed: Packed) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        try:
+            self.value = packed.unpack()
+        except Exception as e:  # noqa: BLE001 - raised where the call runs
+            self.error = e
+
+    def unpack(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,19 @@ def _get(id: str, label: str = "", ranks: list[int] | None = None) -> Any:
                       "the rank was restarted)", rank=rank)
 
 
+_pickling = threading.local()
+
+
+def note_pickled() -> None:
+    """Count one handle pickled by this thread (``Ref.__reduce__``)."""
+    _pickling.count = getattr(_pickling, "count", 0) + 1
+
+
+def pickled_count() -> int:
+    """Handles pickled by this thread so far (a sender compares two readings)."""
+    return getattr(_pickling, "count", 0)
+
+
 def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
     """Unpickle a handle: on a rank, its local value; on the controller, the handle.
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from .errors import MeshError, MeshFailure
 from .mesh import Shape, ValueMesh
-from .tensor_store import REDUCE_OPS, group_ranks, resolve
+from .tensor_store import REDUCE_OPS, group_ranks, note_pickled, resolve
 
 __all__ = ["Ref", "RefTable", "bind_refs", "ref_of", "rref_call", "show"]
 
@@ -190,6 +190,7 @@ class Ref:
 
     def __reduce__(self) -> tuple:
         # a handle travels as its id: on a rank it unpickles to that rank's value
+        note_pickled()  # (a one-way call that carries handles is unpickled on arrival)
         return (resolve, (self.id, self.ranks, self.label, self._entry.root.controller.address))
 
     def slice(self, **selectors: int | slice) -> Ref:

@@ -223,6 +223,49 @@ def test_rref_keeps_endpoint_results_on_the_ranks(mesh, monkeypatch):
         a.stop()
 
 
+class Slow(Actor):
+    """Blocks its thread, then takes a value broadcast to it."""
+
+    def __init__(self):
+        self.got = None
+
+    @endpoint
+    def block(self, seconds):
+        import time
+
+        time.sleep(seconds)
+
+    @endpoint
+    def use(self, t):
+        self.got = float(t.sum())
+
+    @endpoint
+    def value(self):
+        return self.got
+
+
+def test_a_handle_broadcast_then_dropped_still_reaches_the_queued_call(mesh):
+    # the call waits behind a slow one while the controller frees the handle's values:
+    # the rank took the value when the call arrived, so the call still gets it
+    mesh.exec("import monarch_kernel\n"
+              "b = torch.full((4,), float(monarch_kernel.current_rank().rank))")
+    a = mesh.spawn("slow", Slow)
+    try:
+        r = mesh.ref("b")
+        rid = r.id
+        a.block.broadcast(3.0)
+        a.use.broadcast(r)
+        del r
+        gc.collect()
+        held = f"{rid!r} in T.local_ids()"
+        wait_for(lambda: mesh.exec(held).values() == [False] * 4, 10,
+                 what="the values freed on the ranks")
+        assert a.value.call().get(timeout=30).values() == [4.0 * k for k in range(4)]
+        assert not a.broadcast_failures
+    finally:
+        a.stop()
+
+
 def test_freed_handle_frees_the_rank_side_value(mesh):
     mesh.exec("w = torch.zeros(10)")
     r = mesh.ref("w")
