@@ -336,7 +336,7 @@ class ActorMesh(Generic[A]):
                 content["r"] = True
         if keep:
             content["k"] = keep
-        if has_code(args, kwargs):
+        if (args or kwargs) and has_code(args, kwargs):
             content["s"] = sources_for([*args, *kwargs.values()])
         w = _current_worker()
         if w is not None:

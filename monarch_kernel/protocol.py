@@ -420,12 +420,15 @@ def pack_header(type: str | int, id: str, parent: str | None, sender: str,
         code = type
     s, i = sender.encode("ascii"), id.encode("ascii")
     p = b"" if parent is None else parent.encode("ascii")
-    if max(len(s), len(i), len(p)) >= _NO_PARENT:
+    ls, li, lp = len(s), len(i), len(p)
+    if ls >= _NO_PARENT or li >= _NO_PARENT or lp >= _NO_PARENT:
         raise ValueError("a sender, id or parent of 255 bytes or more")
+    fixed = _FIXED.pack(code, ls, li, _NO_PARENT if parent is None else lp,
+                        len(lengths), len(sh))
+    if not lengths and not sh:  # a control message (the common case)
+        return b"".join((fixed, s, i, p))
     return b"".join((
-        _FIXED.pack(code, len(s), len(i), _NO_PARENT if parent is None else len(p),
-                    len(lengths), len(sh)),
-        s, i, p,
+        fixed, s, i, p,
         struct.pack(f"<{len(lengths)}Q", *lengths),
         struct.pack(f"<{len(sh)}H", *sh),
     ))

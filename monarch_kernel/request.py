@@ -97,7 +97,7 @@ class Request:
         self.failure: MeshFailure | None = None
         self.failed_at: float | None = None  # monotonic time a rank's death failed it
         self._done = Flag()
-        self._arrived = Flag()  # set by put_event
+        self._arrived: Flag | None = None  # set by put_event; made by next_event
         self._callbacks: list[Callable[[Request], None]] = []
         self._lock = threading.Lock()
         #: ``waiter(event, timeout) -> bool``: blocks until ``event`` is set, reading
@@ -116,7 +116,9 @@ class Request:
     def put_event(self, event: tuple) -> None:
         """Queue an event for whoever shows this request's output (any thread)."""
         self.events.put(event)
-        self._arrived.set()
+        arrived = self._arrived  # (read after the put: see next_event)
+        if arrived is not None:
+            arrived.set()
 
     def add_done_callback(self, fn: Callable[[Request], None]) -> None:
         """Call ``fn(self)`` once done (at once if already done)."""
@@ -154,9 +156,15 @@ class Request:
                 return self.events.get_nowait()
             if self.waiter is None:
                 return self.events.get(timeout=timeout)
-            self._arrived.clear()
+            arrived = self._arrived
+            if arrived is None:  # only readers of events wait on it (cells)
+                with self._lock:
+                    if self._arrived is None:
+                        self._arrived = Flag()
+                    arrived = self._arrived
+            arrived.clear()
             if self.events.empty():  # (checked after the clear: no event is missed)
-                self.waiter(self._arrived, timeout)
+                self.waiter(arrived, timeout)
             return self.events.get_nowait()
         except queue.Empty:
             return None
