@@ -369,6 +369,33 @@ def dispatch_call(worker: Any, msg: Any) -> None:
     inst.post(("call", msg.id, c, None))
 
 
+class _Call:
+    """One call of a ``calls`` message, shaped as :func:`dispatch_call` reads it."""
+
+    __slots__ = ("content", "id")
+
+    def __init__(self, id: str, content: dict[str, Any]) -> None:
+        self.id, self.content = id, content
+
+
+def dispatch_calls(worker: Any, msg: Any) -> None:
+    """Hand each call of a ``calls`` message (a batch of pipelined calls the
+    controller held, :mod:`monarch_kernel.batching`) to its actor, in order.
+
+    A malformed batch is dropped whole, with a warning (it was signed by the
+    controller, so only a bug makes one).
+    """
+    try:
+        calls = [_Call(str(mid), c) for mid, c in msg.content]
+        if not all(isinstance(call.content, dict) and "a" in call.content for call in calls):
+            raise ValueError("a call without an actor name")
+    except (TypeError, ValueError) as e:
+        log.warning("rank %d dropped a malformed batch of calls: %s", worker.rank, e)
+        return
+    for call in calls:
+        dispatch_call(worker, call)
+
+
 class _Unpacked:
     """A call's arguments unpickled when the call arrives, not when it runs.
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import zmq
 
-from . import protocol, shm
+from . import batching, protocol, shm
+from .batching import BatchingIO
 from .controller_io import ControllerIO, DeferredSigint
 from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
@@ -46,7 +47,7 @@ log = logging.getLogger("monarch_kernel.controller")
 __all__ = ["Controller", "RankInfo", "Request"]
 
 
-class Controller(ControllerIO):
+class Controller(ControllerIO, BatchingIO):
     """Owns the ROUTER socket of one mesh and routes its messages.
 
     Parameters
@@ -99,6 +100,8 @@ class Controller(ControllerIO):
         self.outbox = Outbox(self.ctx, inproc)
         self.ranks: dict[int, RankInfo] = {}
         self.pending: dict[str, Request] = {}
+        #: small pipelined calls held to leave together (see monarch_kernel.batching)
+        self.batches = batching.Batches()
         self._lock = threading.RLock()
         self._hello = threading.Condition(self._lock)
         self._closed = threading.Event()
@@ -130,7 +133,12 @@ class Controller(ControllerIO):
 
     # -------------------------------------------------------------- sending
     def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
-        with DeferredSigint():  # Ctrl-C never leaves half a message on a socket
+        b = self.batches
+        with DeferredSigint(), b.lock:  # Ctrl-C never leaves half a message on a socket
+            if b:  # calls held for these ranks leave first (order is kept)
+                for r in ranks:
+                    if b.holds(r):
+                        self._send_batch(r, b.take(r))
             self._send_to(ranks, frames)
 
     def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
@@ -198,6 +206,8 @@ class Controller(ControllerIO):
         if starting:  # being restarted: wait for it rather than send into the void
             self.wait_ready(starting, self.restart_timeout)
         mid = self.codec.new_id()
+        if batching.may_hold(type, ranks, content, len(self.pending)):
+            return self._held_request(mid, ranks[0], content)
         local = all(r in self.local_ranks for r in ranks)
         names: list[str] = []
         frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,

@@ -46,18 +46,20 @@ class ControllerIO:
         self._last_beat = self._last_check = time.monotonic()
         try:
             while not self._closed.is_set():
+                if self.batches:  # calls held for a batch leave within HOLD_S
+                    self.flush_batches(stale_only=True)
                 now = time.monotonic()
                 if ((self._want or now - self._led_at < 0.01)
                         and now - self._stepped_at < 0.05):
                     # a caller leads, or led just now: let it go on (resume_io wakes);
                     # but never 50 ms without a step (heartbeats, exits, a burst of
                     # calls that are waited for later)
-                    self._resume.wait(0.005)
+                    self._resume.wait(0.0005 if self.batches else 0.005)
                     self._resume.clear()
                     continue
                 if self._lead.acquire(timeout=0.05):
                     try:
-                        self._guarded_step(50 if not self._want else 0)
+                        self._guarded_step(0 if self._want else 1 if self.batches else 50)
                     finally:
                         self._lead.release()
         except BaseException:
@@ -102,6 +104,8 @@ class ControllerIO:
         """
         if event.is_set():
             return True
+        if self.batches:  # calls held for a batch leave before anyone waits
+            self.flush_batches()
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
         if self._leader == me or threading.current_thread() is self._thread:
@@ -178,6 +182,8 @@ class ControllerIO:
         coroutine that awaits a reply cannot lead, the I/O thread reads it."""
         self._led_at = 0.0
         self._resume.set()
+        if self.batches:  # (the coroutine awaits: held calls leave now)
+            self.flush_batches()
 
     def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
         """One turn of the I/O: pipes, outbox, incoming messages, checks, beats

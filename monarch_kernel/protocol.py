@@ -86,6 +86,7 @@ TYPES = frozenset(
         "stop",  # {}: exit cleanly
         "spawn_actor",  # {name, cls, args, kwargs}
         "call",  # {actor, method, args, kwargs}: an endpoint call
+        "calls",  # [(id, call content), ...]: several calls at once (batching.py)
         "stop_actor",  # {name}
         "debug_input",  # {session, line}: a pdb command line (None: release the session)
         "ref",  # {op, id, ...}: values kept on the ranks for handles (tensor_store.py)

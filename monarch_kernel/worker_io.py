@@ -177,6 +177,11 @@ class WorkerIO:
 
             actor.dispatch_call(self, msg)
             return
+        if msg.type == "calls":  # a batch of calls (monarch_kernel.batching): in order
+            from . import actor_host
+
+            actor_host.dispatch_calls(self, msg)
+            return
         if msg.type == "debug_input":  # the paused thread waits in pdb: hand it the line
             from .debug import server as debug_server
 
