@@ -19,7 +19,15 @@ for the other ranks of the cell to pause or finish, then:
       detach               leave the console (``%mesh debug`` only)
 
 ``%mesh debug`` runs the same console (:meth:`DebugConsole.run`) for ranks
-paused outside a running cell. With a frontend that cannot answer input
+paused outside a running cell.
+
+The console never waits for ever: a session that was sent a line and says
+nothing (no message) for ``answer_timeout`` seconds while its rank is alive
+(a command that runs long, or a pdb that is gone) gets a warning naming the
+rank and the session and what to do; the console stops waiting for it and
+leaves it out until it says something again. In ``%mesh debug``, a session
+that runs on (``n``, ``c`` with breakpoints) and stays silent as long is left
+running the same way. With a frontend that cannot answer input
 requests (``allow_stdin`` false) every breakpoint is skipped with a warning
 naming the rank. A ``KeyboardInterrupt`` (the kernel's interrupt) releases
 the paused ranks and goes on to the caller.
@@ -58,6 +66,8 @@ HELP = """\
 #: seconds to wait for more ranks of a cell to pause before prompting
 GATHER_QUIET = 1.0
 GATHER_MAX = 5.0
+#: seconds a session may stay silent after it was sent a line (see the module docstring)
+ANSWER_TIMEOUT = 15.0
 
 
 def parse_debug_ranks(spec: str, shape: Any, world_size: int) -> list[int]:
@@ -158,13 +168,17 @@ class DebugConsole:
         Seconds a command's rank may run on while other ranks are paused
         before the console prompts again (a rank stepping over a collective
         waits for the paused ones).
+    answer_timeout : float
+        Seconds a session may stay silent after it was sent a line before
+        the console stops waiting for it (see the module docstring).
     """
 
     def __init__(self, registry: DebugRegistry, mesh: Any, input_fn: Callable[[str], str],
                  write: Callable[[str], None], *, allow_stdin: bool = True, req: Any = None,
                  on_event: Callable[[tuple], None] | None = None,
                  flush: Callable[[], None] | None = None,
-                 warn: Callable[[str], None] | None = None, patience: float = 2.0) -> None:
+                 warn: Callable[[str], None] | None = None, patience: float = 2.0,
+                 answer_timeout: float = ANSWER_TIMEOUT) -> None:
         self.registry = registry
         self.mesh = mesh
         self.input_fn = input_fn
@@ -175,6 +189,7 @@ class DebugConsole:
         self.on_event_fn = on_event
         self.flush_fn = flush
         self.patience = patience
+        self.answer_timeout = answer_timeout
         self.interrupted = False
         self.console_mode = False
         #: seconds spent serving paused ranks (a cell's --timeout does not count them)
@@ -183,6 +198,9 @@ class DebugConsole:
         self._skipped: set[int] = set()
         self._quit_ranks: set[int] = set()
         self._hint_started = False
+        #: sessions that did not answer a line: sid -> their seq then (left out while
+        #: it stays the same)
+        self._silent: dict[str, int] = {}
 
     # ------------------------------------------------------------ output
     def _write(self, text: str) -> None:
@@ -202,10 +220,18 @@ class DebugConsole:
         return info.host if info is not None else ""
 
     # ------------------------------------------------------------ waiting
-    def _paused(self) -> list[DebugSession]:
+    def _paused(self, silent: bool = False) -> list[DebugSession]:
+        """The paused sessions served here; ``silent``: also those that did not answer."""
         if self.req is None:
-            return self.registry.sessions("paused", ranks=self.mesh.root.ranks)
-        return self.registry.sessions("paused", parent=self.req.id)
+            paused = self.registry.sessions("paused", ranks=self.mesh.root.ranks)
+        else:
+            paused = self.registry.sessions("paused", parent=self.req.id)
+        if silent:
+            return paused
+        return [s for s in paused if self._silent.get(s.sid) != s.seq]
+
+    def _still_silent(self) -> list[DebugSession]:
+        return [s for s in self._paused(silent=True) if self._silent.get(s.sid) == s.seq]
 
     def _pump(self, timeout: float) -> None:
         """Show the request's other events for up to ``timeout`` seconds."""
@@ -259,20 +285,36 @@ class DebugConsole:
 
         Returns the targets' sessions as they are then. A target still
         running after ``patience`` seconds while other ranks are paused is
-        left running (it may be waiting for them).
+        left running (it may be waiting for them). A target silent for
+        ``answer_timeout`` seconds is given up (:meth:`_give_up`).
         """
         seq0 = {s.sid: s.seq for s in targets}
         for s in targets:
             self.registry.send(s, line)
+        sent = time.monotonic()
+        news = {s.sid: (s.seq, sent) for s in targets}  # latest seq, when it came
+        given_up: set[str] = set()
         while True:
             now = time.monotonic()
             current = [self.registry.get(t.sid) or t for t in targets]
+            for s in current:
+                if news[s.sid][0] != s.seq:
+                    news[s.sid] = (s.seq, now)
             waiting = [s for s in current
-                       if s.state != "ended" and not (s.state == "paused" and s.seq > seq0[s.sid])]
+                       if s.state != "ended" and not (s.state == "paused" and s.seq > seq0[s.sid])
+                       and s.sid not in given_up]
             if not waiting:
                 return current
             if self.req is not None and self.req.done():
                 return current
+            # silent since the line was sent (in a cell: the cell's request bounds
+            # a rank that runs on; in %mesh debug, nothing else does)
+            stalled = [s for s in waiting if now - news[s.sid][1] > self.answer_timeout
+                       and (s.seq == seq0[s.sid] or self.req is None)]
+            if stalled:
+                self._give_up(stalled, line, seq0)
+                given_up.update(s.sid for s in stalled)
+                continue
             running = [s for s in waiting if s.state == "running" and s.seq > seq0[s.sid]]
             if running and len(running) == len(waiting):
                 others = [p for p in self._paused() if p.sid not in seq0]
@@ -283,6 +325,27 @@ class DebugConsole:
                                "collective); back to the prompt")
                     return current
             self._pump(0.05)
+
+    def _give_up(self, stalled: list[DebugSession], line: str, seq0: dict[str, int]) -> None:
+        """Stop waiting for sessions that stayed silent after ``line``; say so."""
+        secs = f"{self.answer_timeout:g} s"
+        for s in sorted(stalled, key=lambda s: s.rank):
+            who = f"rank {s.rank} (session {s.sid})"
+            if s.seq > seq0[s.sid]:  # %mesh debug: it runs on (n, c with breakpoints)
+                self._write(f"{who} still runs after {line.strip()!r}: no prompt for {secs}; "
+                            "back to the prompt (%mesh debug again once it pauses, or "
+                            "interrupt the kernel)")
+                continue
+            self._silent[s.sid] = s.seq
+            if self.req is None:
+                todo = ("Interrupt the kernel to stop this console, or run  %mesh debug  "
+                        "again later to retry that rank.")
+            else:
+                todo = ("The cell waits for that rank as for running code and prompts again "
+                        "if it pauses; interrupt the kernel to stop it.")
+            self._warn(f"{who} did not answer {line.strip()!r} within {secs} although the "
+                       "rank is alive: the command may still run there, or its debugger is "
+                       f"gone. Not waiting for it any more. {todo}")
 
     # ------------------------------------------------------------ entry points
     def on_event(self, ev: tuple) -> None:
@@ -302,9 +365,10 @@ class DebugConsole:
             self._gather()
             while True:
                 paused = self._paused()
-                if not paused:
-                    return
+                if not paused or (self.req is not None and self.req.done()):
+                    return  # (once every rank answered the cell, none of its code is paused)
                 if self.interrupted:
+                    paused = self._paused(silent=True)
                     self.registry.release(paused)
                     self._await_leave(paused)
                     continue
@@ -351,7 +415,8 @@ class DebugConsole:
             while True:
                 paused = self._paused()
                 if not paused:
-                    self._write("no rank is paused any more")
+                    if not self._still_silent():  # (else the warning said it)
+                        self._write("no rank is paused any more")
                     return
                 self._announce(paused, discard=True)
                 self._prompt_console()
@@ -399,7 +464,7 @@ class DebugConsole:
 
     def _interrupt(self) -> None:
         self.interrupted = True
-        paused = self._paused()
+        paused = self._paused(silent=True)
         if paused:
             self.registry.release(paused)
             self._warn(f"interrupted: {_ranks_text(paused)} released from the debugger")
@@ -416,7 +481,7 @@ class DebugConsole:
         self._write(self.registry.take_text(s) or s.entry)
         while True:
             cur = self.registry.get(s.sid)
-            if cur is None or cur.state != "paused":
+            if cur is None or cur.state != "paused" or (self.req is not None and self.req.done()):
                 return
             others = [p for p in self._paused()
                       if p.sid != cur.sid and self._announced.get(p.sid) != p.seq]
@@ -431,7 +496,7 @@ class DebugConsole:
             after = self._run([cur], line)[0]
             self._show(after, prefix=False)
             self._announced[after.sid] = after.seq
-            if after.state != "paused":
+            if after.state != "paused" or self._silent.get(after.sid) == after.seq:
                 return
 
     def _show(self, s: DebugSession, prefix: bool) -> None:

@@ -26,6 +26,16 @@ answer prompts, and when the kernel is interrupted). A ``KeyboardInterrupt``
 (the worker's interrupt) while paused ends the session and is raised in the
 paused code, as it would be in running code.
 
+The controller knows a session's state only from these messages, so a
+session never leaves pdb without saying so: an interrupt is held back
+while a session updates its state and sends its message
+(:class:`_HeldSigint`), and an interrupt that lands just after pdb's
+command loop (e.g. right after a release or ``c``, before the message that
+says so) still ends the session with an ``ended`` message. Otherwise the
+controller would keep the session as ``paused`` while nothing waits for
+its lines, and a console sending it a command would wait for an answer
+that never comes.
+
 Ideas from CPython 3.14's remote pdb (``pdb._PdbServer``): subclass
 :class:`pdb.Pdb`, replace its stdin/stdout with message channels, turn each
 prompt into one round trip, and keep ``SIGINT`` handling out of pdb
@@ -40,6 +50,7 @@ import itertools
 import os
 import pdb  # noqa: T100 - this module *is* the remote pdb
 import queue
+import signal
 import sys
 import threading
 import types
@@ -144,17 +155,19 @@ class RemotePdb(pdb.Pdb):
         return None
 
     def _send(self, kind: str, **content: Any) -> None:
-        capture = getattr(self.worker, "capture", None)
-        if capture is not None:
-            capture.drain()  # what the code printed comes before what pdb says
-        text, self._out = "".join(self._out), []
-        parent = self._parent()
-        content.update(kind=kind, session=self.sid, text=text, thread=self.thread_name,
-                       parent=parent)
-        try:
-            self.worker.send("debug", content, parent)
-        except Exception:  # noqa: BLE001, S110 - the controller is gone; the I/O thread exits
-            pass
+        # an interrupt waits until the message is out (else it may never go)
+        with _HeldSigint():
+            capture = getattr(self.worker, "capture", None)
+            if capture is not None:
+                capture.drain()  # what the code printed comes before what pdb says
+            text, self._out = "".join(self._out), []
+            parent = self._parent()
+            content.update(kind=kind, session=self.sid, text=text, thread=self.thread_name,
+                           parent=parent)
+            try:
+                self.worker.send("debug", content, parent)
+            except Exception:  # noqa: BLE001, S110 - the controller is gone; the I/O thread exits
+                pass
 
     def _where(self) -> dict[str, Any]:
         frame = self.curframe
@@ -219,17 +232,26 @@ class RemotePdb(pdb.Pdb):
         """Stop here and serve commands from the controller until told to go on."""
         if self.ended:
             return
-        super().interaction(frame, traceback)
-        if self.ended:
-            return
-        if self.post_mortem_mode:
-            self._finish("post-mortem done")
-        elif self.quitting:
-            self._finish("quit")
-        elif sys.gettrace() is None:
-            self._finish("released" if self._was_released else "continue")
-        else:
-            self._send("running")
+        try:
+            super().interaction(frame, traceback)
+            if self.ended:
+                return
+            if self.post_mortem_mode:
+                self._finish("post-mortem done")
+            elif self.quitting:
+                self._finish("quit")
+            elif sys.gettrace() is None:
+                self._finish("released" if self._was_released else "continue")
+            else:
+                self._send("running")
+        except BaseException:
+            # an interrupt that landed after pdb's command loop (just after a release
+            # or `c`, before the message saying so): the session ends here, and the
+            # controller hears it (else it keeps the session as paused for ever)
+            with _HeldSigint():
+                self._stop_tracing()
+                self._finish("interrupted")
+            raise
 
     def user_return(self, frame: types.FrameType, return_value: Any) -> None:
         """As in :class:`pdb.Pdb`, without leaving ``__return__`` in a cell's namespace."""
@@ -307,18 +329,50 @@ class RemotePdb(pdb.Pdb):
             self.breaks = saved
 
     def _finish(self, reason: str) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        with _lock:
-            _sessions.pop(self.sid, None)
-        if getattr(_tls, "active", None) is self:
-            _tls.active = None
-        self._send("ended", reason=reason)
+        with _HeldSigint():  # ended here means the controller hears it
+            if self.ended:
+                return
+            self.ended = True
+            with _lock:
+                _sessions.pop(self.sid, None)
+            if getattr(_tls, "active", None) is self:
+                _tls.active = None
+            self._send("ended", reason=reason)
 
     def deliver(self, line: str | None) -> None:
         """Queue one command line (``None``: release) for this session (any thread)."""
         self._inbox.put(line)
+
+
+class _HeldSigint:
+    """Hold back a ``SIGINT`` (the worker's interrupt) in the main thread over a block.
+
+    The block runs to its end; a ``SIGINT`` that arrived meanwhile then goes
+    to the previous handler (which raises ``KeyboardInterrupt`` in a busy
+    worker). In other threads, which Python's signal handlers never
+    interrupt, it does nothing. Nests.
+    """
+
+    def __init__(self) -> None:
+        self.hit: tuple[int, Any] | None = None
+        self.prev: Any = None
+
+    def __enter__(self) -> _HeldSigint:
+        if threading.current_thread() is threading.main_thread():
+            prev = signal.getsignal(signal.SIGINT)
+            if callable(prev):
+                self.prev = prev
+                signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.hit = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+            if self.hit is not None and exc[0] is None:
+                self.prev(*self.hit)
 
 
 def _activity(text: str) -> Any:
