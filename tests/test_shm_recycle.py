@@ -1,0 +1,71 @@
+"""Receive buffers of pooled shared-memory transfers are recycled only when
+nothing refers to them any more (monarch_kernel.shm._recv_buffer)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from monarch_kernel import protocol, shm
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+
+N = 1 << 18  # float32 elements: 1 MiB, the shared-memory threshold
+
+
+@pytest.fixture
+def send():
+    a = protocol.Codec(protocol.new_key(), "a")
+    a.pool = shm.Pool()
+    b = protocol.Codec(a._key, "b")
+
+    def send(value):
+        names: list[str] = []
+        msg = b.decode(a.encode("push", value, shm="sender", shm_out=names))
+        assert names, "the buffer did not go through shared memory"
+        out = msg.content
+        a.release_shm(names)
+        return out
+
+    yield send
+    a.pool.close()
+    gc.collect()
+
+
+def test_a_buffer_in_use_is_never_overwritten(send):
+    first = send(np.full(N, 1, np.float32))
+    view = first[100:200]  # a view refers to the array that owns the memory
+    second = send(np.full(N, 2, np.float32))
+    del first
+    third = send(np.full(N, 3, np.float32))
+    assert (view == 1).all() and (second == 2).all() and (third == 3).all()
+    assert len({view.ctypes.data - 100 * 4, second.ctypes.data, third.ctypes.data}) == 3
+
+
+def test_a_buffer_nothing_refers_to_is_reused(send):
+    first = send(np.full(N, 1, np.float32))
+    address = first.ctypes.data
+    del first
+    again = send(np.full(N, 7, np.float32))
+    assert again.ctypes.data == address and (again == 7).all()
+
+
+def test_tensors_hold_their_buffer(send):
+    torch = pytest.importorskip("torch")
+    t = send(torch.full((N,), 1.0))
+    u = t[5:9]
+    del t
+    w = send(torch.full((N,), 2.0))
+    assert float(u.sum()) == 4.0 and float(w.sum()) == 2.0 * N
+    address = w.data_ptr()
+    del w
+    assert send(torch.full((N,), 3.0)).data_ptr() == address
+
+
+def test_kept_buffers_are_bounded(send, monkeypatch):
+    monkeypatch.setattr(shm, "RECV_MAX_BYTES", 3 << 20)
+    kept = [send(np.full(N, i, np.float32)) for i in range(6)]  # all in use: none reusable
+    assert sum(b.nbytes for b in shm._recv) <= 3 << 20
+    assert [float(k[0]) for k in kept] == list(range(6))
