@@ -3,8 +3,9 @@
 Measures, in one run on this machine: the raw pyzmq baseline, our figures
 (latency also in blocks alternating with the baseline, :mod:`.paired`),
 and the installed peers, for N = 2 and 4 workers, plus ``%%mesh pass``
-against ``%px pass``, telemetry overhead, idle worker memory and fan-out
-growth. Prints a table; the JSON holds every figure and each of ours as a
+against ``%px pass`` (both kernels up, cells in alternating blocks, with a
+plain ``pass`` in each kernel for its own floor), telemetry overhead, idle
+worker memory and fan-out growth. Prints a table; the JSON holds every figure and each of ours as a
 ratio to the raw baseline of the same run.
 """
 
@@ -51,18 +52,22 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
         print(f"[bench] N={n}: raw and ours in alternating blocks", file=sys.stderr, flush=True)
         row["paired"] = paired.measure(n, calls)
         result["n"][str(n)] = row
-    print("[bench] cells through the kernels", file=sys.stderr, flush=True)
-    cells = 20 if quick else 40
-    mesh, plain = peers.mesh_pass(2, cells)
-    cell = result["cell_p50_us"] = {"monarch_kernel": mesh, "monarch_kernel_plain_pass": plain}
-    if result["installed"]["ipyparallel"]:
-        try:
-            cell["ipyparallel_px"], cell["python3_plain_pass"] = peers.px_pass(2, cells)
-            cell["ratio_to_ipyparallel"] = mesh / cell["ipyparallel_px"]
-            # the floor: a cell that sends nothing anywhere, in our kernel, against %px
-            cell["plain_pass_ratio_to_ipyparallel"] = plain / cell["ipyparallel_px"]
-        except Exception as e:  # noqa: BLE001
-            result["cell_p50_us"]["ipyparallel_px"] = f"error: {e}"
+    print("[bench] cells through the kernels (alternating blocks)", file=sys.stderr, flush=True)
+    cells = 20 if quick else 60
+    px = result["installed"]["ipyparallel"]
+    try:
+        cell = peers.cells(2, cells, px=px)
+    except Exception as e:  # noqa: BLE001 - ipyparallel failing must not lose ours
+        if not px:
+            raise
+        cell = peers.cells(2, cells, px=False)
+        cell["ipyparallel_px"] = f"error: {e}"
+    if isinstance(cell.get("ipyparallel_px"), float):
+        cell["ratio_to_ipyparallel"] = cell["monarch_kernel"] / cell["ipyparallel_px"]
+        # the floor: a cell that sends nothing anywhere, in our kernel, against %px
+        cell["plain_pass_ratio_to_ipyparallel"] = (cell["monarch_kernel_plain_pass"]
+                                                   / cell["ipyparallel_px"])
+    result["cell_p50_us"] = cell
     print("[bench] telemetry overhead", file=sys.stderr, flush=True)
     from . import telemetry_overhead
 

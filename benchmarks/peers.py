@@ -58,27 +58,33 @@ def ipyparallel(n: int, calls: int = 500, big: bool = True) -> dict[str, float]:
         cluster.stop_cluster_sync()
 
 
-def px_pass(n: int = 2, cells: int = 40) -> tuple[float, float]:
-    """p50 of ``%px pass`` through a real python3 kernel (jupyter_client), and of a
-    plain ``pass`` cell in the same kernel (what the kernel alone costs), in us."""
+def _python3_px(n: int) -> Any:
+    """A python3 kernel with an ipyparallel cluster of ``n`` engines, %px active."""
     from monarch_kernel.testing import KernelSession
 
     ks = KernelSession("python3")
-    try:
-        r = ks.execute("import ipyparallel as ipp\ncluster = ipp.Cluster(n=%d, log_level=40)\n"
-                       "rc = cluster.start_and_connect_sync()\nrc.wait_for_engines(%d)\n"
-                       "rc.activate()" % (n, n), timeout=180)
-        if r.status != "ok":
-            raise RuntimeError(r.error_text())
-        plain = _cell_p50(ks, "pass", cells)
-        return _cell_p50(ks, "%px pass", cells, after="cluster.stop_cluster_sync()"), plain
-    finally:
+    r = ks.execute("import ipyparallel as ipp\ncluster = ipp.Cluster(n=%d, log_level=40)\n"
+                   "rc = cluster.start_and_connect_sync()\nrc.wait_for_engines(%d)\n"
+                   "rc.activate()" % (n, n), timeout=180)
+    if r.status != "ok":
         ks.shutdown()
+        raise RuntimeError(r.error_text())
+    return ks
 
 
-def _cell_p50(ks: Any, code: str, cells: int, after: str | None = None) -> float:
-    for _ in range(5):
-        ks.execute(code)
+def _monarch_mesh(n: int) -> Any:
+    """A monarch kernel with a mesh of ``n`` local workers."""
+    from monarch_kernel.testing import KernelSession
+
+    ks = KernelSession("monarch")
+    r = ks.execute(f"%mesh spawn {n}")
+    if r.status != "ok":
+        ks.shutdown()
+        raise RuntimeError(r.error_text())
+    return ks
+
+
+def _cell_times(ks: Any, code: str, cells: int) -> list[float]:
     lat = []
     for _ in range(cells):
         t0 = time.perf_counter()
@@ -86,25 +92,41 @@ def _cell_p50(ks: Any, code: str, cells: int, after: str | None = None) -> float
         lat.append((time.perf_counter() - t0) * 1e6)
         if r.status != "ok":
             raise RuntimeError(r.error_text())
-    if after:
-        ks.execute(after, timeout=60)
-    return p50(lat)
+    return lat
 
 
-def mesh_pass(n: int = 2, cells: int = 40) -> tuple[float, float]:
-    """p50 of ``%%mesh pass`` through the real monarch kernel, and of a plain
-    ``pass`` cell in the same kernel (what the kernel alone costs), in us."""
-    from monarch_kernel.testing import KernelSession
+def cells(n: int = 2, cells: int = 40, px: bool = True, block: int = 10) -> dict[str, float]:
+    """p50 round trips of cells through real kernels (jupyter_client), in us.
 
-    ks = KernelSession("monarch")
+    ``%%mesh pass`` and a plain ``pass`` in the monarch kernel; with ``px``,
+    ``%px pass`` and a plain ``pass`` in a python3 kernel with ipyparallel.
+    Both kernels are up at once and the four kinds of cell run in turns, in
+    blocks of ``block`` cells (as :mod:`.paired` does for calls), so a slow
+    minute of this machine weighs on all of them alike.
+    """
+    kinds = {"monarch_kernel": "%%mesh\npass", "monarch_kernel_plain_pass": "pass"}
+    sessions = {"monarch_kernel": _monarch_mesh(n)}
     try:
-        r = ks.execute(f"%mesh spawn {n}")
-        if r.status != "ok":
-            raise RuntimeError(r.error_text())
-        plain = _cell_p50(ks, "pass", cells)
-        return _cell_p50(ks, "%%mesh\npass", cells, after="%mesh stop"), plain
+        if px:
+            sessions["ipyparallel_px"] = _python3_px(n)
+            kinds.update({"ipyparallel_px": "%px pass", "python3_plain_pass": "pass"})
+        session_of = {k: sessions["ipyparallel_px" if k in ("ipyparallel_px",
+                                                           "python3_plain_pass")
+                                  else "monarch_kernel"] for k in kinds}
+        for k, code in kinds.items():  # warm-up
+            _cell_times(session_of[k], code, 5)
+        lat: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(max(1, cells // block)):
+            for k, code in kinds.items():
+                lat[k] += _cell_times(session_of[k], code, block)
+        return {k: p50(v) for k, v in lat.items()}
     finally:
-        ks.shutdown()
+        for name, ks in sessions.items():
+            try:
+                ks.execute("%mesh stop" if name == "monarch_kernel"
+                           else "cluster.stop_cluster_sync()", timeout=60)
+            finally:
+                ks.shutdown()
 
 
 def installed() -> dict[str, bool]:
