@@ -57,7 +57,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
     px = result["installed"]["ipyparallel"]
     try:
         cell = peers.cells(2, cells, px=px)
-    except Exception as e:  # noqa: BLE001 - ipyparallel failing must not lose ours
+    except Exception as e:  # ipyparallel failing must not lose ours
         if not px:
             raise
         cell = peers.cells(2, cells, px=False)

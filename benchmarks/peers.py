@@ -63,9 +63,9 @@ def _python3_px(n: int) -> Any:
     from monarch_kernel.testing import KernelSession
 
     ks = KernelSession("python3")
-    r = ks.execute("import ipyparallel as ipp\ncluster = ipp.Cluster(n=%d, log_level=40)\n"
-                   "rc = cluster.start_and_connect_sync()\nrc.wait_for_engines(%d)\n"
-                   "rc.activate()" % (n, n), timeout=180)
+    r = ks.execute(f"import ipyparallel as ipp\ncluster = ipp.Cluster(n={n}, log_level=40)\n"
+                   f"rc = cluster.start_and_connect_sync()\nrc.wait_for_engines({n})\n"
+                   "rc.activate()", timeout=180)
     if r.status != "ok":
         ks.shutdown()
         raise RuntimeError(r.error_text())
