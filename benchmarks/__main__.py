@@ -88,7 +88,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = []
+    absent = [k for k, v in result.get("installed", {}).items() if not v]
+    lines = [f"not installed, so not measured: {', '.join(absent)}"] if absent else []
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel") if c in row]
         lines.append(f"\nN = {n} workers")

@@ -547,7 +547,7 @@ def _wait_guard(rec: _Record, ranks: list[int], req: Request,
         if inst is None:
             return None
         if inst.uid == rec.uid and inst.point.rank in ranks:
-            raise RuntimeError(
+            raise WaitCycleError(
                 f"actor {rec.name!r} on rank {inst.point.rank} waits for a call to its own "
                 "endpoint, which cannot run until the current one returns (one message at a "
                 "time); call the method directly (self.method(...)) or use broadcast()"

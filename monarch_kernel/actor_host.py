@@ -336,8 +336,9 @@ def _missing(w: Any, name: str) -> MeshFailure:
     cause = host.stopped.get(name) if host is not None else None
     if cause:
         return MeshFailure(f"actor {name!r} on rank {w.rank} {cause}", rank=w.rank)
-    return MeshFailure(f"rank {w.rank} has no actor named {name!r} (it was not spawned there)",
-                       rank=w.rank)
+    return MeshFailure(f"rank {w.rank} has no actor named {name!r}: it was not spawned there, "
+                       "or the rank was restarted since (a fresh process: spawn the actor "
+                       "mesh again)", rank=w.rank)
 
 
 def _reject(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:

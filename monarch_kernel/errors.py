@@ -139,6 +139,15 @@ class RemoteError(MonarchError):
     def _remote_message(self) -> str:
         return getattr(self, "_message", "") or ""
 
+    def __reduce__(self) -> tuple:
+        # the class made by remote_exception (also an instance of the original type)
+        # is not importable: rebuild it from its parts (an endpoint that lets a
+        # remote error through, to an actor or the controller, keeps its type)
+        cls = type(self)
+        base = getattr(cls, "_monarch_base", cls)
+        return (_rebuild_remote, (base, getattr(cls, "_monarch_original", None), self.args,
+                                  dict(self.__dict__)))
+
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""
         head = f"{_ranks_label(self.ranks)}"
@@ -192,12 +201,32 @@ def _remote_subclass(base: type[RemoteError], exc_type: type[BaseException]) -> 
             cls = type(
                 exc_type.__name__,
                 (base, exc_type),
-                {"__module__": exc_type.__module__, "__str__": RemoteError.__str__},
+                {"__module__": exc_type.__module__, "__str__": RemoteError.__str__,
+                 "__reduce__": RemoteError.__reduce__,
+                 "_monarch_base": base, "_monarch_original": exc_type},
             )
         except TypeError:  # layout conflict (e.g. two C-level exception bases)
             cls = None
         _subclass_cache[key] = cls
         return cls
+
+
+def _rebuild_remote(base: type[RemoteError], exc_type: type[BaseException] | None,
+                    args: tuple, state: dict[str, Any]) -> RemoteError:
+    """Unpickle a :class:`RemoteError` (see ``RemoteError.__reduce__``)."""
+    cls = (_remote_subclass(base, exc_type) if exc_type is not None else None) or base
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+def original_type(exc: BaseException) -> type[BaseException] | None:
+    """The type a remote error stands for, else ``type(exc)``; None for a plain
+    :class:`RemoteError` (the original type was lost)."""
+    if isinstance(exc, RemoteError):
+        return getattr(type(exc), "_monarch_original", None)
+    return type(exc)
 
 
 class RemoteFailure:
@@ -253,8 +282,11 @@ def remote_exception(
     ranks = sorted(f.rank for f in failures)
     original = first.exc
     err: Any = None
-    if original is not None and not isinstance(original, RemoteError):
-        cls = _remote_subclass(base, type(original))
+    # an error that came through several ranks (an endpoint that let another rank's
+    # error through) stands for the innermost original type
+    exc_type = original_type(original) if original is not None else None
+    if exc_type is not None:
+        cls = _remote_subclass(base, exc_type)
         if cls is not None:
             err = cls.__new__(cls)
             err.args = original.args
@@ -262,6 +294,7 @@ def remote_exception(
                 err.__dict__.update(getattr(original, "__dict__", {}))
             except (AttributeError, TypeError):
                 pass
+            err.__dict__.pop("others", None)  # (of the inner error's group)
     if err is None:
         err = base.__new__(base)
         err.args = (first.message,)

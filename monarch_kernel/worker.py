@@ -47,10 +47,11 @@ import zmq
 
 from . import protocol, telemetry
 from .capture import FdCapture
-from .errors import SerializationError
+from .errors import RemoteError, SerializationError, _ranks_label
 from .transport import Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 log = logging.getLogger("monarch_kernel.worker")
 
 _CO_COROUTINE = 0x0080
@@ -281,10 +282,17 @@ class Worker(WorkerIO):
         if with_traceback:
             # this module's frames (e.g. the SIGINT handler that raised) are not the user's
             frames = [f for f in traceback.extract_tb(tb) if f.filename != __file__]
+            if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
+                frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
             text = "".join(["Traceback (most recent call last):\n",
                             *traceback.format_list(frames),
                             *traceback.format_exception_only(type(e), e)]) if frames else \
                 "".join(traceback.format_exception_only(type(e), e))
+        inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
+        if text and inner:  # it came from another rank: show where it was raised too
+            who = f" (actor {e.actor})" if getattr(e, "actor", None) else ""
+            text += (f"\nwhich came from {_ranks_label(getattr(e, 'ranks', []))}{who}:\n"
+                     + inner.rstrip("\n") + "\n")
         exc: BaseException | None = e
         try:
             from . import serialize

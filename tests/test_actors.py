@@ -354,6 +354,32 @@ def test_exceptions_keep_their_type(counters):
     assert len(ei2.value.others) == 3
 
 
+class LetThrough(Actor):
+    @endpoint
+    def relay(self, other: ActorMesh) -> object:
+        return other.fail.call_one("key").get(timeout=30)
+
+
+def test_an_error_let_through_another_actor_keeps_its_type(procs, counters):
+    relay = procs.slice(procs=1).spawn(f"through{next(_names)}", LetThrough)
+    try:
+        with pytest.raises(KeyError) as info:  # raised on rank 0, let through on rank 1
+            relay.relay.call_one(counters.slice(procs=0)).get(timeout=60)
+        err = info.value
+        assert isinstance(err, ActorError) and err.ranks == [1]
+        assert err.remote_type == "KeyError"
+        tb = err.remote_traceback
+        # where it was let through, then where it was raised; no library plumbing
+        assert "in relay" in tb and "which came from rank 0 (actor counters" in tb
+        assert "in fail" in tb and "future.py" not in tb, tb
+        # and such an error pickles (to travel on) as its own type
+        again = pickle.loads(pickle.dumps(err))
+        assert isinstance(again, KeyError) and isinstance(again, ActorError)
+        assert again.ranks == [1] and again.remote_traceback == tb
+    finally:
+        relay.stop()
+
+
 def test_unpicklable_result_is_an_error(counters):
     with pytest.raises(ActorError, match="cannot be sent back"):
         counters.slice(procs=0).unpicklable.call_one().get(timeout=30)
