@@ -52,9 +52,9 @@ class Batches:
     batches_sent, calls_batched : int
         ``calls`` messages sent so far, and the calls they carried.
 
-    The caller of :meth:`take` / :meth:`take_all` / :meth:`take_stale` sends
-    what it took; :attr:`lock` is held by callers around "take and send" so
-    that two senders never reorder a rank's messages.
+    The caller of :meth:`take` sends what it took; :attr:`lock` is held by
+    callers around "take and send" so that two senders never reorder a rank's
+    messages.
     """
 
     def __init__(self) -> None:
@@ -88,16 +88,12 @@ class Batches:
         self._since.pop(rank, None)
         return self._held.pop(rank, [])
 
-    def take_all(self) -> dict[int, list[tuple[str, Any]]]:
-        """Every held batch. Call with :attr:`lock` held."""
-        held, self._held = self._held, {}
-        self._since.clear()
-        return held
-
-    def take_stale(self, now: float) -> dict[int, list[tuple[str, Any]]]:
-        """The batches held for :data:`HOLD_S` or longer. Call with :attr:`lock` held."""
-        old = [r for r, t in self._since.items() if now - t >= HOLD_S]
-        return {r: self.take(r) for r in old}
+    def held_ranks(self, now: float | None = None) -> list[int]:
+        """The ranks calls are held for (with ``now``: held for :data:`HOLD_S` or
+        longer). Call with :attr:`lock` held."""
+        if now is None:
+            return list(self._held)
+        return [r for r, t in self._since.items() if now - t >= HOLD_S]
 
 
 def may_hold(type: str, ranks: list[int], content: Any, pending: int) -> bool:
@@ -119,22 +115,25 @@ class BatchingIO:
         """A call that waits in a batch for ``rank`` (see monarch_kernel.batching)."""
         req = Request(mid, [rank])
         req.waiter = self.wait_for
-        with self._lock:
-            self.pending[mid] = req
-            info = self.ranks[rank]
-            info.state = "busy"
-            info.messages_out += 1
         b = self.batches
-        with DeferredSigint(), b.lock:
-            n = b.hold(rank, mid, content)
-            if n >= MAX_CALLS:  # full: it leaves now
-                self._send_batch(rank, b.take(rank))
-        if n == 1:  # a new batch: the I/O thread sends it within HOLD_S at the latest
-            self._resume.set()
-            try:
-                self.outbox.send([b""])  # (out of a poll, if it leads)
-            except TransportError:
-                pass
+        # Ctrl-C waits until the call is both registered and held: a request registered
+        # but never sent would wait forever, keep the rank busy and take its output
+        with DeferredSigint():
+            with self._lock:
+                self.pending[mid] = req
+                info = self.ranks[rank]
+                info.state = "busy"
+                info.messages_out += 1
+            with b.lock:
+                n = b.hold(rank, mid, content)
+                if n >= MAX_CALLS:  # full: it leaves now
+                    self._send_batch(rank, b.take(rank))
+            if n == 1:  # a new batch: the I/O thread sends it within HOLD_S at the latest
+                self._resume.set()
+                try:
+                    self.outbox.send([b""])  # (out of a poll, if it leads)
+                except TransportError:
+                    pass
         return req
 
     def _send_batch(self, rank: int, calls: list[tuple[str, Any]]) -> None:
@@ -172,6 +171,8 @@ class BatchingIO:
         if not b:
             return
         with DeferredSigint(), b.lock:
-            held = b.take_stale(time.monotonic()) if stale_only else b.take_all()
-            for rank, calls in held.items():
-                self._send_batch(rank, calls)
+            # each rank's calls are taken just before they leave: what a done-callback
+            # of a failed batch sends to a rank finds the calls held for it before
+            for rank in b.held_ranks(time.monotonic() if stale_only else None):
+                if b.holds(rank):
+                    self._send_batch(rank, b.take(rank))

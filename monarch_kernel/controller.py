@@ -133,8 +133,13 @@ class Controller(ControllerIO, BatchingIO):
 
     # -------------------------------------------------------------- sending
     def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        with DeferredSigint():  # Ctrl-C never leaves half a message on a socket
+            self._send_after_held(ranks, frames)
+
+    def _send_after_held(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        """Send ``frames`` after the calls held for ``ranks`` (SIGINT deferred by the caller)."""
         b = self.batches
-        with DeferredSigint(), b.lock:  # Ctrl-C never leaves half a message on a socket
+        with b.lock:
             if b:  # calls held for these ranks leave first (order is kept)
                 for r in ranks:
                     if b.holds(r):
@@ -217,17 +222,20 @@ class Controller(ControllerIO, BatchingIO):
         if names:  # remove the shared-memory files once every rank answered
             req.add_done_callback(lambda r, names=names: self.codec.release_shm(
                 names, discard=r.failure is not None))
-        with self._lock:
-            self.pending[req.id] = req
-            for r in ranks:
-                self.ranks[r].state = "busy"
-                self.ranks[r].messages_out += 1
-        try:
-            self._send(ranks, frames)
-        except TransportError as e:
+        # Ctrl-C waits until the request is both registered and sent: one registered
+        # but never sent would wait forever, keep its ranks busy and take their output
+        with DeferredSigint():
             with self._lock:
-                self.pending.pop(req.id, None)
-            raise MeshFailure(f"cannot reach the mesh: {e}") from e
+                self.pending[req.id] = req
+                for r in ranks:
+                    self.ranks[r].state = "busy"
+                    self.ranks[r].messages_out += 1
+            try:
+                self._send_after_held(ranks, frames)
+            except TransportError as e:
+                with self._lock:
+                    self.pending.pop(req.id, None)
+                raise MeshFailure(f"cannot reach the mesh: {e}") from e
         return req
 
     def notify(self, ranks: Iterable[int], type: str, content: Any = None) -> None:
