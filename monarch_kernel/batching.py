@@ -119,11 +119,7 @@ class BatchingIO:
         # Ctrl-C waits until the call is both registered and held: a request registered
         # but never sent would wait forever, keep the rank busy and take its output
         with DeferredSigint():
-            with self._lock:
-                self.pending[mid] = req
-                info = self.ranks[rank]
-                info.state = "busy"
-                info.messages_out += 1
+            self._register(req)
             with b.lock:
                 n = b.hold(rank, mid, content)
                 if n >= MAX_CALLS:  # full: it leaves now

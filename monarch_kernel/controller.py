@@ -201,11 +201,7 @@ class Controller(ControllerIO, BatchingIO):
                 if info is None:
                     raise MeshFailure(f"rank {r} is not part of this mesh", rank=r)
                 if info.state in ("dead", "stopped"):
-                    err = self.rank_failure(r)
-                    if info.state == "dead":
-                        err.args = (f"{err.args[0]}\nRestart it with  %mesh restart {r}  "
-                                    f"(or mesh.restart({r})).",)
-                    raise err
+                    raise self._unavailable(r)
                 if info.state == "starting":
                     starting.append(r)
         if starting:  # being restarted: wait for it rather than send into the void
@@ -225,11 +221,7 @@ class Controller(ControllerIO, BatchingIO):
         # Ctrl-C waits until the request is both registered and sent: one registered
         # but never sent would wait forever, keep its ranks busy and take their output
         with DeferredSigint():
-            with self._lock:
-                self.pending[req.id] = req
-                for r in ranks:
-                    self.ranks[r].state = "busy"
-                    self.ranks[r].messages_out += 1
+            self._register(req)
             try:
                 self._send_after_held(ranks, frames)
             except TransportError as e:
@@ -237,6 +229,29 @@ class Controller(ControllerIO, BatchingIO):
                     self.pending.pop(req.id, None)
                 raise MeshFailure(f"cannot reach the mesh: {e}") from e
         return req
+
+    def _unavailable(self, rank: int) -> MeshFailure:
+        """The error of a request to a dead or stopped rank (lock held)."""
+        err = self.rank_failure(rank)
+        if self.ranks[rank].state == "dead":
+            err.args = (f"{err.args[0]}\nRestart it with  %mesh restart {rank}  "
+                        f"(or mesh.restart({rank})).",)
+        return err
+
+    def _register(self, req: Request) -> None:
+        """Record ``req`` as pending and its ranks as busy, after a last look at
+        their state under the lock: a rank that died since the caller looked
+        fails the request now (else it would be marked busy over dead, and its
+        death, reported once, would never reach the request)."""
+        with self._lock:
+            for r in req.ranks:
+                if self.ranks[r].state in ("dead", "stopped"):
+                    raise self._unavailable(r)
+            self.pending[req.id] = req
+            for r in req.ranks:
+                info = self.ranks[r]
+                info.state = "busy"
+                info.messages_out += 1
 
     def notify(self, ranks: Iterable[int], type: str, content: Any = None) -> None:
         """Send a one-way message (no reply expected) to ``ranks``."""

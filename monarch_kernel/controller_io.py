@@ -47,7 +47,10 @@ class ControllerIO:
         try:
             while not self._closed.is_set():
                 if self.batches:  # calls held for a batch leave within HOLD_S
-                    self.flush_batches(stale_only=True)
+                    try:
+                        self.flush_batches(stale_only=True)
+                    except Exception:  # must not stop the I/O thread
+                        log.exception("sending held calls failed")
                 now = time.monotonic()
                 if ((self._want or now - self._led_at < 0.01)
                         and now - self._stepped_at < 0.05):

@@ -254,3 +254,27 @@ def test_a_batch_rejects_calls_to_a_missing_actor_one_by_one(procs, logs, monkey
         ctl._send([0], ctl.codec.encode("calls", bad))
     monkeypatch.undo()
     assert one.history.call_one().get(timeout=30) == [i for i in range(12) if i % 3]
+
+
+def test_a_rank_that_dies_while_a_request_is_made_fails_it():
+    # the rank dies between request()'s first look at it and the registration:
+    # the request must fail at once, not wait for ever on a rank marked busy over dead
+    pm = spawn_procs(1)
+    try:
+        ctl = pm.controller
+        real = ctl.codec.encode
+
+        def encode_after_death(*args, **kwargs):
+            ctl.codec.encode = real
+            os.kill(ctl.ranks[0].pid, signal.SIGKILL)
+            wait_for(lambda: ctl.ranks[0].state == "dead", 10, what="rank 0 marked dead")
+            return real(*args, **kwargs)
+
+        ctl.codec.encode = encode_after_death
+        with pytest.raises(MeshFailure, match="rank 0"):
+            req = ctl.request([0], "execute", {"code": "1", "filename": "<t>"})
+            req.wait(10)  # (before the fix: registered, never answered)
+            raise AssertionError("the request to a dead rank neither failed nor finished")
+        assert ctl.ranks[0].state == "dead"
+    finally:
+        pm.stop()
