@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RankSpecError
-from ..mesh import parse_ranks
+from .ranks import compact_ranks, parse_debug_ranks, plural, ranks_text, report_quits
 from .registry import DebugRegistry, DebugSession
 
 __all__ = ["HELP", "DebugConsole", "parse_debug_ranks", "report_quits"]
@@ -68,71 +68,6 @@ GATHER_QUIET = 1.0
 GATHER_MAX = 5.0
 #: seconds a session may stay silent after it was sent a line (see the module docstring)
 ANSWER_TIMEOUT = 15.0
-
-
-def parse_debug_ranks(spec: str, shape: Any, world_size: int) -> list[int]:
-    """Ranks named by a console rank spec.
-
-    Parameters
-    ----------
-    spec : str
-        ``3``, ``1,2``, ``0:4`` (end excluded), ``all``, or dimension
-        selectors ``procs=1:3`` / ``hosts=0,procs=1`` over ``shape``.
-    shape : Shape
-        The mesh's shape (for dimension selectors).
-    world_size : int
-
-    Raises
-    ------
-    RankSpecError
-        For a spec that names no rank or a rank outside the mesh.
-    """
-    spec = spec.strip()
-    if "=" not in spec:
-        return parse_ranks(spec, world_size)
-    selectors: dict[str, int | slice] = {}
-    for part in spec.split(","):
-        name, eq, value = part.partition("=")
-        name, value = name.strip(), value.strip()
-        if not eq or not name:
-            raise RankSpecError(
-                f"bad rank spec {spec!r}; mix no plain ranks with dimension selectors: "
-                "write e.g. procs=1:3 or hosts=0,procs=1"
-            )
-        try:
-            if ":" in value:
-                a, _, b = value.partition(":")
-                selectors[name] = slice(int(a) if a.strip() else None,
-                                        int(b) if b.strip() else None)
-            else:
-                selectors[name] = int(value)
-        except ValueError:
-            raise RankSpecError(f"bad selector {part!r}; write NAME=INDEX or NAME=START:STOP") \
-                from None
-    try:
-        return list(shape.slice(**selectors).ranks)
-    except Exception as e:  # noqa: BLE001 - MeshError from Shape.slice, said in one line
-        raise RankSpecError(f"bad rank spec {spec!r}: {e}; dimensions: {shape.dims}") from None
-
-
-def report_quits(req: Any, write: Callable[[str], None]) -> list[int]:
-    """Turn ``BdbQuit`` replies of ``req`` into a message; the ranks that quit.
-
-    Ranks whose code stopped because the user quit their debugger are not a
-    failure of the cell: their replies become ``("ok", None)`` and one line
-    says what happened.
-    """
-    quit_ranks = []
-    for rank, (status, value) in list(req.replies.items()):
-        if status == "error" and isinstance(value, dict) and \
-                str(value.get("type", "")).endswith("BdbQuit"):
-            req.replies[rank] = ("ok", None)
-            quit_ranks.append(rank)
-    if quit_ranks:
-        quit_ranks.sort()
-        who = f"rank {quit_ranks[0]}" if len(quit_ranks) == 1 else f"ranks {quit_ranks}"
-        write(f"{who}: debugging ended with quit; the cell's code stopped there (BdbQuit)\n")
-    return quit_ranks
 
 
 class _Leave(Exception):
@@ -320,8 +255,8 @@ class DebugConsole:
                 others = [p for p in self._paused() if p.sid not in seq0]
                 if others and all(now - s.since > self.patience for s in running):
                     ranks = sorted({s.rank for s in running})
-                    self._warn(f"{_plural(ranks)} still running (it may wait for the paused "
-                               f"{_plural(sorted({p.rank for p in others}))}, e.g. in a "
+                    self._warn(f"{plural(ranks)} still running (it may wait for the paused "
+                               f"{plural(sorted({p.rank for p in others}))}, e.g. in a "
                                "collective); back to the prompt")
                     return current
             self._pump(0.05)
@@ -380,7 +315,7 @@ class DebugConsole:
                     self._attached(paused[0])
                 else:
                     if not self.console_mode:
-                        self._write(f"{_ranks_text(paused)} paused; (mesh-debug) console: "
+                        self._write(f"{ranks_text(paused)} paused; (mesh-debug) console: "
                                     "list, attach R, cast RANKS CMD, continue, quit, help")
                     self.console_mode = True
                     self._announce(paused, discard=True)
@@ -410,7 +345,7 @@ class DebugConsole:
             self._write("no rank is paused in a debugger")
             return
         self.console_mode = True
-        self._write(f"{_ranks_text(paused)} paused; type  help  for the commands")
+        self._write(f"{ranks_text(paused)} paused; type  help  for the commands")
         try:
             while True:
                 paused = self._paused()
@@ -423,7 +358,7 @@ class DebugConsole:
         except _Leave:
             left = self._paused()
             if left:
-                self._write(f"left the console; {_ranks_text(left)} still paused "
+                self._write(f"left the console; {ranks_text(left)} still paused "
                             "(%mesh debug to come back)")
         except KeyboardInterrupt:
             self._interrupt()
@@ -467,7 +402,7 @@ class DebugConsole:
         paused = self._paused(silent=True)
         if paused:
             self.registry.release(paused)
-            self._warn(f"interrupted: {_ranks_text(paused)} released from the debugger")
+            self._warn(f"interrupted: {ranks_text(paused)} released from the debugger")
 
     def _ask(self, prompt: str) -> str | None:
         self._drain()
@@ -574,7 +509,7 @@ class DebugConsole:
         chosen = [s for s in paused if s.rank in ranks]
         missing = sorted(set(ranks) - {s.rank for s in chosen})
         if missing:
-            self._write(f"not paused: {_compact_ranks(missing)}")
+            self._write(f"not paused: {compact_ranks(missing)}")
         return chosen
 
     def _one(self, spec: str, paused: list[DebugSession]) -> DebugSession | None:
@@ -597,7 +532,7 @@ class DebugConsole:
     def _all(self, paused: list[DebugSession], command: str) -> None:
         if paused:
             verb = "continue" if command == "c" else "quit"
-            self._write(f"{_ranks_text(paused)}: {verb}")
+            self._write(f"{ranks_text(paused)}: {verb}")
             self._broadcast(paused, command)
 
     def _broadcast(self, sessions: list[DebugSession], command: str) -> None:
@@ -623,24 +558,9 @@ class DebugConsole:
             if waiting and not self.registry.sessions("paused", parent=req.id):
                 req.put_event(("debug", -1, {
                     "kind": "note",
-                    "text": f"{_plural(waiting)} still running after {_plural(quit_ranks)} "
+                    "text": f"{plural(waiting)} still running after {plural(quit_ranks)} "
                             "quit; if they wait for it (a collective), interrupt the kernel "
                             "to stop them",
                 }))
 
         threading.Thread(target=check, name="monarch-debug-hint", daemon=True).start()
-
-
-def _compact_ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
-def _plural(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_compact_ranks(ranks)}"
-
-
-def _ranks_text(sessions: list[DebugSession]) -> str:
-    ranks = sorted({s.rank for s in sessions})
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"{len(ranks)} ranks ({_compact_ranks(ranks)})"
