@@ -11,11 +11,12 @@ repeated.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 
 from .errors import _compact
 
-__all__ = ["RankPrinter", "write_stream"]
+__all__ = ["BackgroundOutput", "RankPrinter", "write_stream"]
 
 
 def write_stream(name: str, text: str) -> None:
@@ -24,6 +25,41 @@ def write_stream(name: str, text: str) -> None:
     stream = sys.stdout if name == "stdout" else sys.stderr
     stream.write(text)
     stream.flush()
+
+
+class BackgroundOutput:
+    """Where output that belongs to no request goes: what a ``broadcast``
+    endpoint or a rank's background thread prints while nothing waits for
+    that rank. Written at once (any thread), each line tagged with its rank.
+
+    In a kernel it lands where ipykernel puts any thread's output: the cell
+    that runs, else the latest one (the ``Controller``'s ``on_output``; set
+    by ``%mesh spawn``).
+
+    Parameters
+    ----------
+    write : callable(name: str, text: str) -> None
+        Default :func:`write_stream`.
+    """
+
+    def __init__(self, write: Callable[[str, str], None] = write_stream) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+        self._midline: set[tuple[int, str]] = set()  # (rank, stream) inside a line
+
+    def __call__(self, rank: int, name: str, text: str) -> None:
+        with self._lock:
+            key, out = (rank, name), []
+            for piece in text.splitlines(keepends=True):
+                if key not in self._midline:
+                    out.append(f"[{rank}] ")
+                out.append(piece)
+                if piece.endswith(("\n", "\r")):
+                    self._midline.discard(key)
+                else:
+                    self._midline.add(key)
+            if out:
+                self._write(name, "".join(out))
 
 
 class RankPrinter:

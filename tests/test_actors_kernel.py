@@ -158,3 +158,12 @@ def test_actors_notebook_trains_to_90_percent():
     assert "(chosen) scores the final weights" in text
     assert "RuntimeError from server" in text
     assert pids and not worker_pids(pids[0])  # the notebook's workers are gone
+
+
+def test_broadcast_output_reaches_the_notebook(kc):
+    # nothing waits for a broadcast: what its endpoint prints is written, tagged by
+    # rank, where ipykernel puts background output (this cell, which is running)
+    r = kc.execute("import time\ncells.f.broadcast(5)\ntime.sleep(3)", timeout=60)
+    assert r.status == "ok", r.error_text()
+    out = r.stream()
+    assert "[0] hello from 0" in out and "[1] hello from 1" in out, out

@@ -25,7 +25,7 @@ from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
 from ..launchers import get_launcher
 from ..mesh import ValueMesh, parse_ranks
-from ..output import RankPrinter, write_stream
+from ..output import BackgroundOutput, RankPrinter, write_stream
 from ..procmesh import ProcMesh, spawn_procs
 from .debug_bridge import cell_console, debug_command  # also serves paused actor calls
 
@@ -235,7 +235,8 @@ class MeshMagics(Magics):
             m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
                             restart=a.restart, max_restarts=a.max_restarts,
                             heartbeat=a.heartbeat, timeout=a.timeout,
-                            telemetry_interval=a.telemetry_interval)
+                            telemetry_interval=a.telemetry_interval,
+                            on_output=BackgroundOutput())  # (broadcasts, background threads)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         self.meshes[a.name] = m
