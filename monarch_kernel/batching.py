@@ -49,8 +49,8 @@ class Batches:
     Attributes
     ----------
     lock : threading.RLock
-    batches_sent, calls_batched : int
-        ``calls`` messages sent so far, and the calls they carried.
+    calls_batched : int
+        Calls sent in ``calls`` messages so far.
 
     The caller of :meth:`take` sends what it took; :attr:`lock` is held by
     callers around "take and send" so that two senders never reorder a rank's
@@ -61,9 +61,7 @@ class Batches:
         self.lock = threading.RLock()
         self._held: dict[int, list[tuple[str, Any]]] = {}
         self._since: dict[int, float] = {}
-        #: ``calls`` messages sent so far, and the calls they carried
-        self.batches_sent = 0
-        self.calls_batched = 0
+        self.calls_batched = 0  # calls sent in ``calls`` messages so far
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -151,7 +149,6 @@ class BatchingIO:
                 frames = self.codec.encode("calls", calls)
             self._send_to([rank], frames)
             if len(calls) > 1:
-                self.batches.batches_sent += 1
                 self.batches.calls_batched += len(calls)
         except TransportError as e:
             failure = MeshFailure(f"cannot reach the mesh: {e}", rank=rank)
