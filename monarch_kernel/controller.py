@@ -218,10 +218,13 @@ class Controller(ControllerIO, BatchingIO):
         if names:  # remove the shared-memory files once every rank answered
             req.add_done_callback(lambda r, names=names: self.codec.release_shm(
                 names, discard=r.failure is not None))
-        # Ctrl-C waits until the request is both registered and sent: one registered
-        # but never sent would wait forever, keep its ranks busy and take their output
+        # Ctrl-C waits until it is registered and sent (registered only, it would hang)
         with DeferredSigint():
-            self._register(req)
+            try:
+                self._register(req)
+            except MeshFailure as e:  # its callbacks return its shared memory
+                req._fail(e)
+                raise
             try:
                 self._send_after_held(ranks, frames)
             except TransportError as e:
@@ -239,10 +242,8 @@ class Controller(ControllerIO, BatchingIO):
         return err
 
     def _register(self, req: Request) -> None:
-        """Record ``req`` as pending and its ranks as busy, after a last look at
-        their state under the lock: a rank that died since the caller looked
-        fails the request now (else it would be marked busy over dead, and its
-        death, reported once, would never reach the request)."""
+        """Record ``req`` as pending, its ranks busy; a rank that died since the caller
+        looked fails it now (marked busy over dead, it would wait for ever)."""
         with self._lock:
             for r in req.ranks:
                 if self.ranks[r].state in ("dead", "stopped"):
