@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Any
 
-from .controller_io import DeferredSigint
 from .errors import MeshFailure, TransportError
 from .request import Request
+from .sigint import DeferredSigint
 
 __all__ = ["HOLD_S", "MAX_CALLS", "MIN_PENDING", "Batches", "BatchingIO", "may_hold"]
 

@@ -37,9 +37,10 @@ import zmq
 
 from . import batching, protocol, shm
 from .batching import BatchingIO
-from .controller_io import ControllerIO, DeferredSigint
+from .controller_io import ControllerIO
 from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
+from .sigint import DeferredSigint
 from .transport import Outbox, bind_router, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")

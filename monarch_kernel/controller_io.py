@@ -17,23 +17,20 @@ and uses its sockets, registry and locks.
 
 from __future__ import annotations
 
-import _signal
 import logging
 import os
-import signal
 import threading
 import time
-from typing import Any
 
 import zmq
 
 from .errors import MeshFailure, TransportError
+from .sigint import DeferredSigint
 from .transport import drain, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")
-_SIGINT = int(signal.SIGINT)
 
-__all__ = ["ControllerIO", "DeferredSigint"]
+__all__ = ["ControllerIO"]
 
 
 class ControllerIO:
@@ -252,31 +249,3 @@ class ControllerIO:
                     and now - info.last_heard > limit):
                 log.warning("rank %d missed 3 heartbeats", r)
                 self.mark_dead(r, None)
-
-
-class DeferredSigint:
-    """While the main thread leads the controller's I/O, a SIGINT is noted
-    rather than raised in the middle of handling a message (which would lose
-    it); the previous handler runs (KeyboardInterrupt) once leading stops."""
-
-    def __init__(self) -> None:
-        self.hit: tuple[int, Any] | None = None
-        self.prev: Any = None
-
-    def __enter__(self) -> DeferredSigint:
-        if threading.current_thread() is threading.main_thread():
-            # the C functions: signal.signal's enum wrapping costs ~6 us a call here
-            prev = _signal.getsignal(_SIGINT)
-            if callable(prev):
-                self.prev = prev
-                _signal.signal(_SIGINT, self._note)
-        return self
-
-    def _note(self, signum: int, frame: Any) -> None:
-        self.hit = (signum, frame)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.prev is not None:
-            _signal.signal(_SIGINT, self.prev)
-            if self.hit is not None and exc[0] is None:
-                self.prev(*self.hit)

@@ -29,7 +29,7 @@ paused code, as it would be in running code.
 The controller knows a session's state only from these messages, so a
 session never leaves pdb without saying so: an interrupt is held back
 while a session updates its state and sends its message
-(:class:`_HeldSigint`), and an interrupt that lands just after pdb's
+(:class:`~monarch_kernel.sigint.DeferredSigint`), and an interrupt that lands just after pdb's
 command loop (e.g. right after a release or ``c``, before the message that
 says so) still ends the session with an ``ended`` message. Otherwise the
 controller would keep the session as ``paused`` while nothing waits for
@@ -50,11 +50,12 @@ import itertools
 import os
 import pdb  # noqa: T100 - this module *is* the remote pdb
 import queue
-import signal
 import sys
 import threading
 import types
 from typing import Any
+
+from ..sigint import DeferredSigint
 
 __all__ = [
     "RemotePdb",
@@ -156,7 +157,7 @@ class RemotePdb(pdb.Pdb):
 
     def _send(self, kind: str, **content: Any) -> None:
         # an interrupt waits until the message is out (else it may never go)
-        with _HeldSigint():
+        with DeferredSigint():
             capture = getattr(self.worker, "capture", None)
             if capture is not None:
                 capture.drain()  # what the code printed comes before what pdb says
@@ -248,7 +249,7 @@ class RemotePdb(pdb.Pdb):
             # an interrupt that landed after pdb's command loop (just after a release
             # or `c`, before the message saying so): the session ends here, and the
             # controller hears it (else it keeps the session as paused for ever)
-            with _HeldSigint():
+            with DeferredSigint():
                 self._stop_tracing()
                 self._finish("interrupted")
             raise
@@ -329,7 +330,7 @@ class RemotePdb(pdb.Pdb):
             self.breaks = saved
 
     def _finish(self, reason: str) -> None:
-        with _HeldSigint():  # ended here means the controller hears it
+        with DeferredSigint():  # ended here means the controller hears it
             if self.ended:
                 return
             self.ended = True
@@ -342,37 +343,6 @@ class RemotePdb(pdb.Pdb):
     def deliver(self, line: str | None) -> None:
         """Queue one command line (``None``: release) for this session (any thread)."""
         self._inbox.put(line)
-
-
-class _HeldSigint:
-    """Hold back a ``SIGINT`` (the worker's interrupt) in the main thread over a block.
-
-    The block runs to its end; a ``SIGINT`` that arrived meanwhile then goes
-    to the previous handler (which raises ``KeyboardInterrupt`` in a busy
-    worker). In other threads, which Python's signal handlers never
-    interrupt, it does nothing. Nests.
-    """
-
-    def __init__(self) -> None:
-        self.hit: tuple[int, Any] | None = None
-        self.prev: Any = None
-
-    def __enter__(self) -> _HeldSigint:
-        if threading.current_thread() is threading.main_thread():
-            prev = signal.getsignal(signal.SIGINT)
-            if callable(prev):
-                self.prev = prev
-                signal.signal(signal.SIGINT, self._note)
-        return self
-
-    def _note(self, signum: int, frame: Any) -> None:
-        self.hit = (signum, frame)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.prev is not None:
-            signal.signal(signal.SIGINT, self.prev)
-            if self.hit is not None and exc[0] is None:
-                self.prev(*self.hit)
 
 
 def _activity(text: str) -> Any:

@@ -1,0 +1,49 @@
+"""Holding back Ctrl-C over a block that must not be cut in two.
+
+A ``SIGINT`` raises ``KeyboardInterrupt`` in the main thread between any two
+bytecodes. Where that would lose a message or leave state half-changed (the
+controller handling a reply while it leads the I/O, a request registered but
+not sent, a paused rank's debugger sending its last message),
+:class:`DeferredSigint` notes the signal instead and hands it to the
+previous handler once the block is done.
+"""
+
+from __future__ import annotations
+
+import _signal
+import signal
+import threading
+from typing import Any
+
+__all__ = ["DeferredSigint"]
+
+_SIGINT = int(signal.SIGINT)
+
+
+class DeferredSigint:
+    """Context manager: a ``SIGINT`` during the block is noted, not raised, and
+    the previous handler runs (``KeyboardInterrupt``) when the block ends
+    without an exception. In other threads, which Python's signal handlers
+    never interrupt, it does nothing. Nests."""
+
+    def __init__(self) -> None:
+        self.hit: tuple[int, Any] | None = None
+        self.prev: Any = None
+
+    def __enter__(self) -> DeferredSigint:
+        if threading.current_thread() is threading.main_thread():
+            # the C functions: signal.signal's enum wrapping costs ~6 us a call here
+            prev = _signal.getsignal(_SIGINT)
+            if callable(prev):
+                self.prev = prev
+                _signal.signal(_SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.hit = (signum, frame)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev is not None:
+            _signal.signal(_SIGINT, self.prev)
+            if self.hit is not None and exc[0] is None:
+                self.prev(*self.hit)
