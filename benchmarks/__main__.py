@@ -21,7 +21,7 @@ from typing import Any
 from . import ours, paired, peers, raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "calls_per_s", "tensor_gbps",
-           "p2p_gbps", "spawn_s"]
+           "p2p_gbps", "rdma_gbps", "spawn_s"]
 LOWER_IS_BETTER = {"call_p50_us", "call_p99_us", "bcast_p50_us", "spawn_s", "cell_p50_us",
                    "worker_rss_mb", "telemetry_cpu_pct"}
 
@@ -48,6 +48,9 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
         for k, v in row["monarch_kernel"].items():
             if base.get(k):
                 ratios[k] = v / base[k]
+        if row["monarch_kernel"].get("rdma_gbps") and base.get("p2p_gbps"):
+            # RDMABuffer.read_into, worker to worker, against raw pyzmq's worker-to-worker send
+            ratios["rdma_gbps"] = row["monarch_kernel"]["rdma_gbps"] / base["p2p_gbps"]
         row["ratio_to_raw"] = ratios
         print(f"[bench] N={n}: raw and ours in alternating blocks", file=sys.stderr, flush=True)
         row["paired"] = paired.measure(n, calls)

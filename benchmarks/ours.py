@@ -32,6 +32,30 @@ class Bench(Actor):
         return float(t.sum())
 
     @endpoint
+    def register(self, nbytes: int) -> Any:
+        import torch
+
+        from monarch_kernel import RDMABuffer
+
+        self.kept = torch.ones(nbytes // 4)
+        return RDMABuffer(self.kept)
+
+    @endpoint
+    def read_buffer(self, buf: Any) -> float:
+        """Best of 3 ``read_into`` of ``buf`` (seconds), after a warm-up."""
+        import torch
+
+        dst = torch.empty(buf.size() // 4)
+        buf.read_into(dst).get(timeout=60)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            buf.read_into(dst).get(timeout=60)
+            best = min(best, time.perf_counter() - t0)
+        assert float(dst.sum()) == dst.numel()
+        return best
+
+    @endpoint
     def send_to(self, other: Any, nbytes: int) -> float:
         import torch
 
@@ -87,6 +111,9 @@ def measure(n: int, calls: int = 2000, big: bool = True, telemetry: float = 1.0
             if n >= 2:
                 secs = one.send_to.call_one(actors.slice(procs=1), 64 * MiB).get()
                 out["p2p_gbps"] = 64 * MiB / secs / 1e9
+                buf = one.register.call_one(64 * MiB).get()
+                secs = actors.slice(procs=1).read_buffer.call_one(buf).get()
+                out["rdma_gbps"] = 64 * MiB / secs / 1e9
         return out
     finally:
         procs.stop()

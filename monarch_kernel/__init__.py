@@ -25,7 +25,7 @@ _EXPORTS = {
     "HostMesh": "procmesh",
     "Actor": "actor", "ActorMesh": "actor", "endpoint": "actor", "Future": "actor",
     "current_rank": "actor", "current_size": "actor", "WaitCycleError": "actor_cycles",
-    "Ref": "tensors", "device_mesh": "tensor_store",
+    "Ref": "tensors", "device_mesh": "tensor_store", "RDMABuffer": "buffer",
     "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
     "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
     "SerializationError": "errors", "TransportError": "errors",
@@ -34,7 +34,7 @@ _EXPORTS = {
 __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
     "Shape", "Point", "ValueMesh", "ProcMesh", "spawn_procs", "this_host", "HostMesh",
     "Actor", "ActorMesh", "endpoint", "Future", "current_rank", "current_size",
-    "WaitCycleError", "Ref", "device_mesh",
+    "WaitCycleError", "Ref", "device_mesh", "RDMABuffer",
     "MonarchError", "MeshError", "MeshFailure", "RemoteError", "ActorError", "ProtocolError",
     "SerializationError", "TransportError",
 ]

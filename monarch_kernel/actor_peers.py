@@ -112,8 +112,9 @@ class PeerHost:
         self._thread.start()
 
     def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
-                oneway: bool) -> Request | None:
-        """Send a call to the actors of ``ranks`` (any thread of this worker).
+                oneway: bool, type: str = "call") -> Request | None:
+        """Send a call (or a message of another ``type``: ``buffer``, see
+        :mod:`monarch_kernel.buffer_ops`) to ``ranks`` (any thread of this worker).
 
         Raises
         ------
@@ -130,7 +131,7 @@ class PeerHost:
         # through shared memory (monarch_kernel.shm), given back once every peer answered
         here = _addr_host(self.address)
         local = not oneway and all(_addr_host(peers[r]) == here for r in ranks)
-        frames = self.codec.encode("call", content, id=mid, shm="sender" if local else None,
+        frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
                                    shm_out=names)
         req = None
         if not oneway:
@@ -206,6 +207,11 @@ class PeerHost:
             log.warning("rank %d dropped a peer message: %s", self.rank, e)
             return
         self.messages_in += 1
+        if msg.type == "buffer":  # an RDMABuffer read or write: answered right here
+            from .buffer_ops import serve
+
+            serve(self, msg)
+            return
         if msg.type != "call":
             if msg.type == "event" and isinstance(msg.content, dict) and (
                     msg.content.get("kind") == "wait"):  # an actor waits for a call: cycles?

@@ -91,6 +91,8 @@ TYPES = frozenset(
         "debug_input",  # {session, line}: a pdb command line (None: release the session)
         "ref",  # {op, id, ...}: values kept on the ranks for handles (tensor_store.py)
         "free",  # {ids}: one-way, drop those kept values (tensor_store.py)
+        # worker -> worker (peer sockets)
+        "buffer",  # {op, id, n, m, ...}: an RDMABuffer read/write/drop (buffer_ops.py)
         # both ways
         "heartbeat",
     }

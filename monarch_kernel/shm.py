@@ -93,6 +93,21 @@ class Pool:
         """Copy ``view`` into a pooled file; None when the pool is full."""
         n = view.nbytes
         src = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        leased = self.lease(n)
+        if leased is None:
+            return None
+        leased[1][:n] = src
+        return ShmBuffer(leased[0], n)
+
+    def lease(self, n: int) -> tuple[str, mmap.mmap] | None:
+        """A pooled file of at least ``n`` bytes and its mapping (``MAP_SHARED``,
+        writable), busy until :meth:`release`; None when the pool is full.
+
+        Raises
+        ------
+        OSError
+            If a new file cannot be created or filled (``/dev/shm`` full, ...).
+        """
         with self._lock:
             fit = [f for f in self._free if f[1] >= n]
             if fit:
@@ -114,10 +129,9 @@ class Pool:
             finally:
                 os.close(fd)
             seg = (name, n, mm)
-        seg[2][:n] = src
         with self._lock:
             self._busy[seg[0]] = seg
-        return ShmBuffer(seg[0], n)
+        return seg[0], seg[2]
 
     def release(self, name: str, discard: bool = False) -> bool:
         """Return a file to the pool (``discard``: remove it). False if not ours."""
@@ -244,6 +258,41 @@ def open_buffer(name: str, nbytes: int, mode: str) -> memoryview:
         if unlink_after:
             unlink(name)
     return memoryview(mm)
+
+
+_wmaps: dict[str, mmap.mmap] = {}  # files other processes lent us to write into (LRU)
+
+
+def map_writable(name: str, nbytes: int) -> mmap.mmap:
+    """A shared, writable mapping of another process's pooled file (of at least
+    ``nbytes``), kept mapped for the next time (:mod:`monarch_kernel.buffer`
+    writes a registered buffer's bytes straight into a reader's file).
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not one of our shared-memory file names.
+    OSError
+        If the file is gone or smaller than ``nbytes``.
+    """
+    if not NAME_RE.match(name):
+        raise ValueError(f"bad shared-memory file name {name!r}")
+    with _lock:
+        mm = _wmaps.pop(name, None)
+    if mm is None or len(mm) < nbytes:
+        fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise OSError(f"shared-memory file {name} is smaller than {nbytes} bytes")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+    with _lock:
+        _wmaps[name] = mm
+        while len(_wmaps) > _MAX_MAPS:
+            _wmaps.pop(next(iter(_wmaps))).close()
+    return mm
 
 
 #: the most bytes of receive buffers a process keeps for reuse (see the module docstring)

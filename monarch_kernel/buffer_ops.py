@@ -1,0 +1,260 @@
+"""How an :class:`~monarch_kernel.buffer.RDMABuffer` operation travels.
+
+The reader (or writer) sends a ``buffer`` message to the owner's peer socket
+(:mod:`monarch_kernel.actor_peers`); the owner's peer I/O thread answers it
+with :func:`serve`, so the owner's actors and cells take no part. Content::
+
+    {"op": "read" | "write" | "drop", "id": buffer id, "n": bytes,
+     "m": "ipc" | "shm" | "band", "shm": file name, "data": array}
+
+``m`` is the route: ``ipc`` asks for a fresh CUDA IPC handle of the
+owner's tensor (the reader then copies device to device itself); ``shm``
+names a pooled shared-memory file of the reader's, which the owner fills
+(read) or empties (write); ``band`` carries the bytes in the messages
+themselves. The reply is ``{"status": "ok" | "error", "value": ...}``.
+The reader finishes the operation (its copy) in its own peer I/O thread,
+when the reply arrives, and completes the operation's future.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any
+
+from . import shm as _shm
+from .buffer import _byte_view, _copy, _host, _is_cuda, _lookup, _nbytes
+from .errors import MeshError
+from .future import Future
+
+log = logging.getLogger("monarch_kernel.buffer")
+
+#: pooled shared-memory files this process lends to owners (same host, CPU routes)
+_pool = _shm.Pool(max_bytes=1 << 30)
+#: set once an owner refused CUDA IPC (another container, a driver that forbids
+#: it): later CUDA operations of this process take the staged route at once
+_ipc_refused = False
+
+
+def _route(host: Any, buf: Any) -> str:
+    same = _host(host.address) == _host(buf._address)
+    if same and buf._device.startswith("cuda") and not _ipc_refused:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            return "ipc"
+    if same and _shm.available():
+        return "shm"
+    return "band"
+
+
+class _Op:
+    """One operation in flight (reader side)."""
+
+    __slots__ = ("buf", "future", "lease", "n", "op", "route", "timed_out", "timer", "view")
+
+    def __init__(self, buf: Any, op: str, view: Any, route: str) -> None:
+        self.buf, self.op, self.view, self.route = buf, op, view, route
+        self.n = _nbytes(view) if view is not None else 0
+        self.future: Future[Any] = Future()
+        self.lease: tuple[str, Any] | None = None
+        self.timer: threading.Timer | None = None
+        self.timed_out = False
+
+
+def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> Future[Any]:
+    """Send operation ``op`` of ``buf`` to its owner (see the module docstring);
+    the returned future completes when the reply has been acted on."""
+    from .actor_peers import peer_host
+
+    host = peer_host(worker)
+    o = _Op(buf, op, view, _route(host, buf) if op != "drop" else "band")
+    if timeout is not None:
+        o.timer = threading.Timer(timeout, _expire, (host, o, timeout))
+        o.timer.daemon = True
+        o.timer.start()
+    _send(host, o)
+    return o.future
+
+
+def _send(host: Any, o: _Op) -> None:
+    buf = o.buf
+    content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
+    try:
+        if o.route == "shm" and o.op != "drop":
+            o.lease = _pool.lease(o.n)
+            if o.lease is None:  # the pool is full: send the bytes in the messages
+                o.route = content["m"] = "band"
+            else:
+                content["shm"] = o.lease[0]
+                if o.op == "write":
+                    import numpy as np
+
+                    dst = np.frombuffer(o.lease[1], np.uint8, count=o.n)
+                    _copy(dst, o.view)
+                    del dst
+        if o.route == "band" and o.op == "write":
+            content["data"] = _to_numpy(o.view)
+        req = host.request([buf._rank], {buf._rank: buf._address}, content, oneway=False,
+                           type="buffer")
+    except BaseException as e:  # noqa: BLE001 - the owner is dead, /dev/shm is full, ...
+        _done(o, e)
+        return
+    assert req is not None
+    req.add_done_callback(lambda r: _finish(host, o, r))
+
+
+def _to_numpy(view: Any) -> Any:
+    if hasattr(view, "numel"):  # a torch uint8 view
+        return view.cpu().numpy() if _is_cuda(view) else view.numpy()
+    return view
+
+
+def _finish(host: Any, o: _Op, req: Any) -> None:
+    """The owner answered (in this process's peer I/O thread)."""
+    global _ipc_refused
+    if o.timed_out:
+        _release(o)
+        return
+    rank = o.buf._rank
+    try:
+        if req.failure is not None:
+            raise req.failure
+        status, value = req.replies[rank]
+        if status != "ok":
+            if value.get("code") == "noipc" and o.route == "ipc":
+                log.warning("rank %d refused CUDA IPC (%s); staging through host memory",
+                            rank, value.get("message"))
+                _ipc_refused = True
+                o.route = "shm" if _shm.available() else "band"
+                _send(host, o)
+                return
+            raise (MeshError if value.get("type") == "MeshError" else ValueError)(
+                value.get("message", "the owner refused the operation"))
+        if o.op == "read":
+            if o.route == "ipc":
+                _ipc_copy(o, value)
+            elif o.route == "shm":
+                import numpy as np
+
+                assert o.lease is not None
+                src = np.frombuffer(o.lease[1], np.uint8, count=o.n)
+                _copy(o.view, src)
+                del src
+            else:
+                _copy(o.view, value)
+        elif o.op == "write" and o.route == "ipc":
+            _ipc_copy(o, value)
+    except BaseException as e:  # noqa: BLE001 - reported through the future
+        _done(o, e)
+        return
+    _done(o, None, o.n if o.op == "read" else None)
+
+
+def _ipc_copy(o: _Op, args: tuple) -> None:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    alias = rebuild_cuda_tensor(*args)  # the owner's bytes, mapped into this process
+    try:
+        if o.op == "read":
+            _copy(o.view, alias[: o.n])
+        else:
+            _copy(alias[: o.n], o.view)
+    finally:
+        del alias
+
+
+def _done(o: _Op, error: BaseException | None, value: Any = None) -> None:
+    if o.timer is not None:
+        o.timer.cancel()
+    _release(o)
+    o.view = None
+    if error is not None:
+        o.future.set_exception(error)
+    else:
+        o.future.set_result(value)
+
+
+def _release(o: _Op) -> None:
+    lease, o.lease = o.lease, None
+    if lease is not None:  # a timed-out owner may still write into it: never reuse it
+        _pool.release(lease[0], discard=o.timed_out)
+
+
+def _expire(host: Any, o: _Op, timeout: float) -> None:
+    if o.future.done():
+        return
+    o.timed_out = True
+    o.future.set_exception(TimeoutError(
+        f"RDMABuffer {o.op} of {o.n} bytes: rank {o.buf._rank} did not answer within "
+        f"{timeout:g} s (pass a larger timeout=, or check the rank with %mesh status)"))
+
+
+# --------------------------------------------------------------- owner side
+def serve(host: Any, msg: Any) -> None:
+    """Answer a ``buffer`` message (the owner's peer I/O thread)."""
+    c = msg.content
+    try:
+        value = _serve(c, host.rank)
+        reply = {"status": "ok", "value": value}
+    except _NoIpc as e:
+        reply = {"status": "error", "value": {"type": "RuntimeError", "message": str(e),
+                                             "code": "noipc"}}
+    except Exception as e:  # noqa: BLE001 - any failure goes back to the reader
+        reply = {"status": "error", "value": {"type": type(e).__name__,
+                                             "message": f"rank {host.rank}: {e}"}}
+    try:
+        frames = host.codec.encode("reply", reply, parent=msg.id)
+    except Exception as e:  # noqa: BLE001 - cannot happen for arrays; never leave a reader waiting
+        frames = host.codec.encode("reply", {"status": "error", "value": {
+            "type": "RuntimeError", "message": f"rank {host.rank}: {e}"}}, parent=msg.id)
+    host.outbox.send([b"r", *msg.identity, *frames])
+
+
+class _NoIpc(RuntimeError):
+    pass
+
+
+def _serve(c: dict[str, Any], rank: int) -> Any:
+    op, route = c["op"], c.get("m")
+    if op == "drop":
+        from .buffer import _lock, _registry
+
+        with _lock:
+            _registry.pop(c["id"], None)
+        return None
+    if op not in ("read", "write"):
+        raise ValueError(f"unknown buffer operation {op!r}")
+    reg = _lookup(c["id"], rank)[1]
+    n = int(c["n"])
+    if not 0 <= n <= _nbytes(reg):
+        raise ValueError(f"{n} bytes asked of a buffer of {_nbytes(reg)}")
+    if route == "ipc":
+        if not _is_cuda(reg):
+            raise ValueError("CUDA IPC asked for a buffer that is not on a GPU")
+        try:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            return reduce_tensor(reg)[1]
+        except Exception as e:
+            raise _NoIpc(f"CUDA IPC unavailable on rank {rank}: {e}") from e
+    if route == "shm":
+        import numpy as np
+
+        mm = _shm.map_writable(c["shm"], n)
+        view = np.frombuffer(mm, np.uint8, count=n)
+        try:
+            _copy(view, reg[:n]) if op == "read" else _copy(reg[:n], view)
+        finally:
+            del view
+        return None
+    if op == "read":
+        return _to_numpy(reg[:n])
+    data = _byte_view(c["data"], "data", writable=False)
+    if _nbytes(data) != n:
+        raise ValueError(f"write of {n} bytes carried {_nbytes(data)}")
+    _copy(reg[:n], data)
+    return None
+
+
+__all__ = ["serve", "start"]
