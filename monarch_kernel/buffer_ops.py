@@ -32,6 +32,8 @@ log = logging.getLogger("monarch_kernel.buffer")
 
 #: pooled shared-memory files this process lends to owners (same host, CPU routes)
 _pool = _shm.Pool(max_bytes=1 << 30)
+#: operations this process started, by route (``ipc``, ``shm``, ``band``)
+routes: dict[str, int] = {"ipc": 0, "shm": 0, "band": 0}
 #: set once an owner refused CUDA IPC (another container, a driver that forbids
 #: it): later CUDA operations of this process take the staged route at once
 _ipc_refused = False
@@ -79,6 +81,7 @@ def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> F
 
 def _send(host: Any, o: _Op) -> None:
     buf = o.buf
+    routes[o.route] = routes.get(o.route, 0) + 1
     content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
     try:
         if o.route == "shm" and o.op != "drop":
