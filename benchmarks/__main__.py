@@ -26,7 +26,8 @@ LOWER_IS_BETTER = {"call_p50_us", "call_p99_us", "bcast_p50_us", "spawn_s", "cel
                    "worker_rss_mb", "telemetry_cpu_pct"}
 
 
-def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = True
+        ) -> dict[str, Any]:
     calls = 500 if quick else 2000
     result: dict[str, Any] = {"machine": {"python": sys.version.split()[0],
                                           "platform": platform.platform()},
@@ -55,16 +56,19 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
         print(f"[bench] N={n}: raw and ours in alternating blocks", file=sys.stderr, flush=True)
         row["paired"] = paired.measure(n, calls)
         result["n"][str(n)] = row
-    print("[bench] cells through the kernels (alternating blocks)", file=sys.stderr, flush=True)
-    cells = 20 if quick else 60
-    px = result["installed"]["ipyparallel"]
-    try:
-        cell = peers.cells(2, cells, px=px)
-    except Exception as e:  # ipyparallel failing must not lose ours
-        if not px:
-            raise
-        cell = peers.cells(2, cells, px=False)
-        cell["ipyparallel_px"] = f"error: {e}"
+    cell: dict[str, Any] = {}
+    if kernels:
+        print("[bench] cells through the kernels (alternating blocks)", file=sys.stderr,
+              flush=True)
+        cells = 20 if quick else 60
+        px = result["installed"]["ipyparallel"]
+        try:
+            cell = peers.cells(2, cells, px=px)
+        except Exception as e:  # ipyparallel failing must not lose ours
+            if not px:
+                raise
+            cell = peers.cells(2, cells, px=False)
+            cell["ipyparallel_px"] = f"error: {e}"
     if isinstance(cell.get("ipyparallel_px"), float):
         cell["ratio_to_ipyparallel"] = cell["monarch_kernel"] / cell["ipyparallel_px"]
         # the floor: a cell that sends nothing anywhere, in our kernel, against %px
@@ -112,6 +116,15 @@ def table(result: dict[str, Any]) -> str:
                 f"{m} {pr['monarch_kernel'][m]:,.0f} / {pr['raw_pyzmq'][m]:,.0f} us = "
                 f"{pr['ratio_to_raw'][m]:.2f}x" for m in ("call_p50_us", "bcast_p50_us")))
     c = result["cell_p50_us"]
+    if not c:
+        lines.append("\ncell_p50_us: not measured (--no-kernels)")
+    else:
+        _cells(lines, c)
+    _rest(lines, result)
+    return "\n".join(lines)
+
+
+def _cells(lines: list[str], c: dict[str, Any]) -> None:
     lines.append(f"\ncell_p50_us: %%mesh pass {c['monarch_kernel']:,.0f} us"
                  + (f", %px pass {c['ipyparallel_px']:,.0f} us, ratio "
                     f"{c['ratio_to_ipyparallel']:.2f}" if "ratio_to_ipyparallel" in c else ""))
@@ -119,6 +132,9 @@ def table(result: dict[str, Any]) -> str:
                  + (f", python3 kernel {c['python3_plain_pass']:,.0f} us; monarch plain pass / "
                     f"%px pass {c['plain_pass_ratio_to_ipyparallel']:.2f}"
                     if "plain_pass_ratio_to_ipyparallel" in c else ""))
+
+
+def _rest(lines: list[str], result: dict[str, Any]) -> None:
     if result.get("telemetry_cpu_pct") is not None:
         lines.append(f"telemetry_cpu_pct: {result['telemetry_cpu_pct']:.3f} % of a core per worker")
     fan = result["fanout"]
@@ -131,16 +147,19 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"fan-out N=64 / N=1: ours {fan['ratio_n64_to_n1']:.1f}x, raw pyzmq "
                      f"{raw['ratio_n64_to_n1']:.1f}x; ours / raw at N=64: "
                      f"{fan['ratio_to_raw_n64']:.2f}x")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--quick", action="store_true", help="fewer iterations (about a minute)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="skip the cells through Jupyter kernels (where Jupyter is not installed)")
+    p.add_argument("--sizes", default="2,4", help="worker counts, comma-separated (2,4)")
     a = p.parse_args(argv)
     t0 = time.time()
-    result = run(quick=a.quick)
+    sizes = tuple(int(x) for x in a.sizes.split(","))
+    result = run(quick=a.quick, sizes=sizes, kernels=not a.no_kernels)
     result["seconds"] = time.time() - t0
     print(table(result))
     if a.json:
