@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from . import actor_cycles, actor_peers, telemetry
+from . import actor_cycles, actor_peers, gpu, telemetry
 from .actor_peers import peer_host, stats  # noqa: F401 - stats: re-exported
 from .errors import MeshFailure, SerializationError
 from .mesh import Point, Shape
@@ -139,6 +139,7 @@ class _ActorInstance:
     def _run(self) -> None:
         context.actor = self
         try:
+            gpu.enter_thread()  # the rank's GPU is this thread's current device too
             lead = getattr(self.worker, "lead_until", None)
             while True:
                 item = self._ahead

@@ -31,7 +31,7 @@ from .future import Future
 log = logging.getLogger("monarch_kernel.buffer")
 
 #: pooled shared-memory files this process lends to owners (same host, CPU routes)
-_pool = _shm.Pool(max_bytes=1 << 30)
+_pool = _shm.Pool(max_bytes=4 << 30)
 #: operations this process started, by route (``ipc``, ``shm``, ``band``)
 routes: dict[str, int] = {"ipc": 0, "shm": 0, "band": 0}
 #: set once an owner refused CUDA IPC (another container, a driver that forbids
@@ -85,7 +85,10 @@ def _send(host: Any, o: _Op) -> None:
     content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
     try:
         if o.route == "shm" and o.op != "drop":
-            o.lease = _pool.lease(o.n)
+            try:
+                o.lease = _pool.lease(o.n)
+            except OSError as e:  # /dev/shm full (a container's is often 64 MiB)
+                log.info("no shared memory for %d bytes (%s): sending them in-band", o.n, e)
             if o.lease is None:  # the pool is full: send the bytes in the messages
                 o.route = content["m"] = "band"
             else:

@@ -54,7 +54,7 @@ from typing import Any
 
 from . import serialize
 from . import shm as _shm
-from .errors import ProtocolError
+from .errors import ProtocolError, SerializationError
 
 log = logging.getLogger("monarch_kernel.protocol")
 
@@ -282,6 +282,13 @@ class Codec:
             If ``content`` cannot be pickled.
         """
         payload, buffers = serialize.dumps(content)
+        if buffers:
+            total = sum(b.nbytes for b in buffers)
+            if total > self.max_buffers:  # the receiver would drop it: say so here
+                raise SerializationError(
+                    f"cannot send {total} bytes of arrays/tensors in one message: the mesh's "
+                    f"limit is {self.max_buffers} bytes; send the data in parts, or register "
+                    "it with monarch_kernel.RDMABuffer and let the other side read it")
         sh: list[int] = []
         if shm and buffers and _shm.available():
             big = [i for i, b in enumerate(buffers) if b.nbytes >= _shm.MIN_BYTES]
@@ -369,7 +376,8 @@ class Codec:
                 described = [_shm.parse(buffers[i]) for i in sh]
             except (ValueError, UnicodeDecodeError) as e:
                 raise ProtocolError(f"malformed shared-memory descriptor: {e}") from None
-            claimed = total + sum(d[1] for d in described)
+            # the files' sizes count, not the few bytes of their descriptors
+            claimed = total - sum(buffers[i].nbytes for i in sh) + sum(d[1] for d in described)
             if claimed > self.max_buffers:
                 raise ProtocolError(f"message buffers of {claimed} bytes exceed the limit of "
                                     f"{self.max_buffers} bytes")

@@ -8,8 +8,11 @@ returned as separate buffers that :mod:`monarch_kernel.protocol` sends as
 their own ZeroMQ frames (PEP 574).
 
 Tensors keep their dtype, shape, ``requires_grad`` and device: a CUDA tensor
-is rebuilt on the receiver's device of the same index when that device
-exists, never silently left on the CPU when a GPU is available.
+is rebuilt on a GPU of the receiver, never silently left on the CPU: on the
+rank's own GPU when it has one (``--dist nccl`` assigns it,
+:mod:`monarch_kernel.gpu`), else on the device of the same index when it
+exists, else on the receiver's current device. A receiver without CUDA
+refuses it with an error that says to send ``tensor.cpu()``.
 """
 
 from __future__ import annotations
@@ -41,8 +44,13 @@ def _rebuild_tensor(
         t = t.view(dtype).reshape(shape)
     if device != "cpu":
         if device.startswith("cuda") and torch.cuda.is_available():
-            index = int(device.split(":")[1]) if ":" in device else 0
-            index = index if index < torch.cuda.device_count() else torch.cuda.current_device()
+            from . import gpu
+
+            index = gpu.assigned()  # a rank with its own GPU (--dist nccl): there
+            if index is None:
+                index = int(device.split(":")[1]) if ":" in device else 0
+                if index >= torch.cuda.device_count():
+                    index = torch.cuda.current_device()
             t = t.to(f"cuda:{index}", non_blocking=False)
         else:
             raise SerializationError(

@@ -211,6 +211,10 @@ class GpuProbe:
             return None
 
     def _torch_device(self) -> int | None:
+        from . import gpu
+
+        if gpu.assigned() is not None:  # (this thread's current device may be another)
+            return gpu.assigned()
         torch = sys.modules.get("torch")
         cuda = getattr(torch, "cuda", None)
         try:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_kernel import protocol, serialize
+from monarch_kernel import protocol, serialize, shm
 from monarch_kernel.errors import ProtocolError, SerializationError
 
 
@@ -216,9 +216,28 @@ def test_pack_header_refuses_what_the_layout_cannot_hold():
 
 
 def test_size_limits():
-    a, b = pair(max_buffers=1 << 20)
+    key = protocol.new_key()
+    lax = protocol.Codec(key, "ctl")  # a sender with a larger limit than the receiver's
+    strict = protocol.Codec(key, "r0", max_buffers=1 << 20)
     with pytest.raises(ProtocolError, match="exceed"):
-        b.decode(a.encode("push", np.zeros(1 << 18)))  # 2 MiB buffer > 1 MiB limit
+        strict.decode(lax.encode("push", np.zeros(1 << 18)))  # 2 MiB buffer > 1 MiB limit
+    # the sender checks its own limit, so that nothing is sent only to be dropped
+    with pytest.raises(SerializationError, match="limit is 1048576 bytes.*RDMABuffer"):
+        strict.encode("push", np.zeros(1 << 18))
+
+
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+def test_a_buffer_at_the_limit_through_shared_memory():
+    """A buffer of exactly the limit, sent through a shared-memory file: its
+    descriptor's few bytes must not count on top of the file's size."""
+    a, b = pair(max_buffers=1 << 21)
+    names: list[str] = []
+    frames = a.encode("push", np.ones(1 << 18), shm="sender", shm_out=names)  # 2 MiB
+    try:
+        msg = b.decode(frames)
+        assert float(msg.content.sum()) == 1 << 18
+    finally:
+        a.release_shm(names, discard=True)
 
 
 def test_unpicklable_value_names_its_type():

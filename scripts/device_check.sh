@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The GPU check, in one command, for a machine with CUDA torch but without
+# pyzmq or Jupyter, and without network:   bash scripts/device_check.sh
+#
+#  1. installs the wheels of .whl/ (pyzmq) into /tmp/site; the project itself is
+#     not installed: PYTHONPATH=/tmp/site:<repo>, which the workers inherit;
+#  2. prints nvidia-smi and the python / torch / CUDA / NCCL / pyzmq versions;
+#  3. runs the GPU tests and the data-plane tests (files that exist);
+#  4. runs benchmarks/gpu.py (CUDA tensors through actor calls vs torch copies).
+#
+# Every step runs under `timeout`, within one budget (BUDGET seconds, default 230);
+# a failing step does not stop the later ones; the exit status is the worst one.
+# What comes back is written to $OUT (8 files): env.txt, pytest.log,
+# pytest-junit.xml, gpu_bench.log, gpu_bench.json, cpu_bench.log, cpu_bench.json,
+# summary.txt. Then the CPU benchmark suite (CPU_BUDGET seconds more, default 150).
+#
+# Overrides (for a dry run elsewhere): PY (python3), WHEELS (.whl), SITE (/tmp/site),
+# OUT (build/device_check), BUDGET, BENCH_ARGS (extra arguments of benchmarks/gpu.py),
+# PYTEST_X (-x: stop at the first failure; PYTEST_X= runs every test file to its end).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+PY=${PY:-python3}
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/site}
+OUT=${OUT:-$REPO/build/device_check}
+BUDGET=${BUDGET:-230}
+BENCH_T=75                     # seconds kept for the benchmark
+CPU_BUDGET=${CPU_BUDGET:-150}  # seconds for the CPU suite (after BUDGET)
+PYTEST_X=${PYTEST_X-}
+mkdir -p "$OUT"
+status=0
+summary=()
+
+step() { echo; echo "===== $* [t=${SECONDS}s]"; }
+record() {  # record NAME RC
+    summary+=("$1: rc=$2 (t=${SECONDS}s)")
+    if [ "$2" -gt "$status" ]; then status=$2; fi
+}
+left() { echo $((BUDGET - SECONDS)); }
+
+# ------------------------------------------------------------------ 1. wheels
+step "install $WHEELS/*.whl into $SITE" | tee "$OUT/env.txt"
+timeout -k 5 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" "$WHEELS"/*.whl 2>&1 | tee -a "$OUT/env.txt"
+record install $?
+export PYTHONPATH="$SITE:$REPO"
+export PYTHONUNBUFFERED=1
+
+# ---------------------------------------------------------------- 2. machine
+{
+    step "nvidia-smi"
+    timeout -k 2 15 nvidia-smi 2>&1 || echo "(nvidia-smi failed: rc=$?)"
+    step "memory, /dev/shm (shared-memory data plane), /tmp"
+    free -g 2>&1; df -h /dev/shm /tmp 2>&1; echo "cpus: $(nproc)"
+    step "versions"
+    timeout -k 5 40 "$PY" - <<'EOF' 2>&1 || echo "(version probe failed: rc=$?)"
+import os, platform, sys
+print("python", sys.version.split()[0], sys.executable, "|", platform.platform())
+print("PYTHONPATH", os.environ.get("PYTHONPATH"), "| CUDA_VISIBLE_DEVICES",
+      os.environ.get("CUDA_VISIBLE_DEVICES"), "| cpus", os.cpu_count())
+import torch
+print("torch", torch.__version__, "| cuda", torch.version.cuda, "| available",
+      torch.cuda.is_available(), "| devices", torch.cuda.device_count())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu 0:", p.name, f"{p.total_memory / 2**30:.1f} GiB", "| uuid", p.uuid,
+          "| nccl", torch.cuda.nccl.version())
+else:
+    print("WARNING: no CUDA: the GPU tests will be skipped")
+import zmq
+print("pyzmq", zmq.__version__, "libzmq", zmq.zmq_version(), zmq.__file__)
+import monarch_kernel
+print("monarch_kernel", monarch_kernel.__file__)
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    print("NVML driver", pynvml.nvmlSystemGetDriverVersion())
+except Exception as e:
+    print("NVML:", type(e).__name__, e)
+EOF
+} 2>&1 | tee -a "$OUT/env.txt"
+
+# ------------------------------------------------------------------ 3. tests
+files=()
+for f in tests/test_gpu.py tests/test_buffer.py tests/test_tensors.py tests/test_actors.py; do
+    if [ -f "$f" ]; then files+=("$f"); else echo "(no $f: skipped)"; fi
+done
+t=$(( $(left) - BENCH_T - 10 ))
+if [ "$t" -lt 30 ]; then t=30; fi
+step "pytest ${files[*]} (limit ${t}s)" | tee "$OUT/pytest.log"
+# shellcheck disable=SC2086  # PYTEST_X: empty or one word
+timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider $PYTEST_X --timeout 120 -rfEs \
+    --durations=15 --junitxml="$OUT/pytest-junit.xml" "${files[@]}" 2>&1 \
+    | tee -a "$OUT/pytest.log"
+record pytest $?
+
+# -------------------------------------------------------------- 4. benchmark
+t=$(( $(left) - 5 ))
+if [ "$t" -lt 20 ]; then t=20; fi
+step "benchmarks/gpu.py (limit ${t}s)" | tee "$OUT/gpu_bench.log"
+# shellcheck disable=SC2086  # BENCH_ARGS: words on purpose
+timeout -k 5 "$t" "$PY" -m benchmarks.gpu --json "$OUT/gpu_bench.json" ${BENCH_ARGS:-} 2>&1 \
+    | tee -a "$OUT/gpu_bench.log"
+record benchmark $?
+
+# ------------------------------------------------- 5. the CPU suite, 16 cores
+# the issue's CPU targets on a machine with more than 2 cores (no Jupyter here:
+# no cells); fan-out to 64 workers
+t=$(( CPU_BUDGET ))
+step "python -m benchmarks --no-kernels --sizes 2,4,8 (limit ${t}s)" | tee "$OUT/cpu_bench.log"
+timeout -k 5 "$t" "$PY" -m benchmarks --no-kernels --sizes 2,4,8 --json "$OUT/cpu_bench.json" \
+    2>&1 | tee -a "$OUT/cpu_bench.log"
+record cpu_benchmark $?
+
+# ----------------------------------------------------------------- summary
+sleep 1
+{
+    step "summary"
+    printf '%s\n' "${summary[@]}"
+    echo "exit status: $status (124: a step ran out of time)"
+    echo "worker processes left: $(pgrep -f 'monarch_kernel[.]worker' | tr '\n' ' ')"
+    echo "/dev/shm/monarch-* left: $(find /dev/shm -maxdepth 1 -name 'monarch-*' 2>/dev/null | wc -l)"
+} 2>&1 | tee "$OUT/summary.txt"
+exit "$status"
