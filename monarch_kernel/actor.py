@@ -74,6 +74,7 @@ from .controller import Request
 from .errors import ActorError, MeshFailure
 from .future import Future
 from .mesh import Point, Shape, ValueMesh
+from .serialize import cuda_ipc
 from .sources import has_code, sources_for
 from .tensor_store import pickled_count
 
@@ -324,10 +325,13 @@ class ActorMesh(Generic[A]):
             if cause:
                 raise MeshFailure(f"actor {rec.name!r} on rank {r} {cause}", rank=r)
         handles = pickled_count() if oneway else 0
-        content: dict[str, Any] = {
-            "a": rec.name, "m": method, "u": rec.uid,
-            "p": Packed.pack((args, kwargs)) if args or kwargs else _EMPTY,
-        }
+        payload = _EMPTY
+        if args or kwargs:  # to one process on this host, big CUDA tensors go by IPC handle
+            one_here = (not oneway and len(ranks) == 1 and "torch" in sys.modules
+                        and self._on_this_host(ranks[0]))
+            with cuda_ipc(one_here):
+                payload = Packed.pack((args, kwargs))
+        content: dict[str, Any] = {"a": rec.name, "m": method, "u": rec.uid, "p": payload}
         if oneway:
             content["o"] = True
             if pickled_count() != handles:
@@ -360,6 +364,16 @@ class ActorMesh(Generic[A]):
             ctl.notify(ranks, "call", content)
             return None
         return ctl.request(ranks, "call", content)
+
+    def _on_this_host(self, rank: int) -> bool:
+        w = _current_worker()
+        if w is not None:  # (not this very process: an IPC handle cannot be opened there)
+            from .actor_peers import _addr_host, peer_host
+
+            return rank != w.rank and (
+                _addr_host(self._peers[rank]) == _addr_host(peer_host(w).address))
+        pm = self._record.procmesh
+        return pm is not None and rank in pm.controller.local_ranks
 
     def _future(self, ranks: list[int], method: str, args: tuple, kwargs: dict,
                 finish: Callable[[Request], Any], keep: str | None = None) -> Future[Any]:

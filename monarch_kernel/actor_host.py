@@ -41,7 +41,7 @@ from . import actor_cycles, actor_peers, gpu, telemetry
 from .actor_peers import peer_host, stats  # noqa: F401 - stats: re-exported
 from .errors import MeshFailure, SerializationError
 from .mesh import Point, Shape
-from .serialize import Packed
+from .serialize import Packed, cuda_ipc
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -287,8 +287,9 @@ class _ActorInstance:
                 from .tensor_store import keep
 
                 value = keep(c["k"], value)
-            try:
-                status, out = "ok", Packed.pack(value)
+            try:  # to the controller on this host: big CUDA tensors go by IPC handle
+                with cuda_ipc(route is None and not c.get("o") and w.controller_pid is not None):
+                    status, out = "ok", Packed.pack(value)
             except SerializationError as e:
                 status, out = "error", _failure(w, e, with_traceback=False)
                 out["message"] = (

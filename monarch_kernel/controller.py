@@ -40,6 +40,7 @@ from .batching import BatchingIO
 from .controller_io import ControllerIO
 from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
+from .serialize import cuda_ipc
 from .sigint import DeferredSigint
 from .transport import Outbox, bind_router, inproc_pair, is_loopback, send_frames
 
@@ -212,8 +213,9 @@ class Controller(ControllerIO, BatchingIO):
             return self._held_request(mid, ranks[0], content)
         local = all(r in self.local_ranks for r in ranks)
         names: list[str] = []
-        frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
-                                   shm_out=names)
+        with cuda_ipc(local and len(ranks) == 1):  # one process on this host
+            frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
+                                       shm_out=names)
         req = Request(mid, ranks)
         req.waiter = self.wait_for
         if names:  # remove the shared-memory files once every rank answered

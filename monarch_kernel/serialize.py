@@ -13,14 +13,27 @@ rank's own GPU when it has one (``--dist nccl`` assigns it,
 :mod:`monarch_kernel.gpu`), else on the device of the same index when it
 exists, else on the receiver's current device. A receiver without CUDA
 refuses it with an error that says to send ``tensor.cpu()``.
+
+How a CUDA tensor travels: to one process on the same host (the sender
+says so with :func:`cuda_ipc`), a tensor of at least :data:`IPC_MIN_BYTES`
+goes as a CUDA IPC handle (``torch.multiprocessing``'s reduction: the
+receiver maps the sender's memory, copies it device to device into memory
+of its own and lets go; torch's IPC reference count keeps the sender's
+block until then, and its event orders the copy after the sender's queued
+work). Otherwise it is staged through host memory. ``MONARCH_CUDA_IPC=0``
+turns the IPC route off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
 import sys
+import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -34,6 +47,41 @@ PROTOCOL = 5
 OOB_THRESHOLD = 4096
 
 
+#: CUDA tensors at least this large go by IPC handle to a receiver on this host
+IPC_MIN_BYTES = 1 << 20
+_ipc = threading.local()
+
+
+@contextlib.contextmanager
+def cuda_ipc(on: bool = True) -> Iterator[None]:
+    """While active (in this thread), values pickled go to one process on this
+    host, so large CUDA tensors may travel as CUDA IPC handles (see the module
+    docstring)."""
+    prev = getattr(_ipc, "on", False)
+    _ipc.on = on and os.environ.get("MONARCH_CUDA_IPC", "1") != "0"
+    try:
+        yield
+    finally:
+        _ipc.on = prev
+
+
+def _target_device(torch: Any, device: str) -> str:
+    """Where a tensor that lived on ``device`` (``cuda[:i]``) lands here."""
+    if not torch.cuda.is_available():
+        raise SerializationError(
+            f"received a tensor that lived on {device!r}, but this process has no such "
+            "device; move it to the CPU first (tensor.cpu()) if that is what you want"
+        )
+    from . import gpu
+
+    index = gpu.assigned()  # a rank with its own GPU (--dist nccl): there
+    if index is None:
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            index = torch.cuda.current_device()
+    return f"cuda:{index}"
+
+
 def _rebuild_tensor(
     array: Any, dtype: Any, shape: tuple, device: str, requires_grad: bool, raw: bool
 ):
@@ -43,20 +91,32 @@ def _rebuild_tensor(
     if raw:
         t = t.view(dtype).reshape(shape)
     if device != "cpu":
-        if device.startswith("cuda") and torch.cuda.is_available():
-            from . import gpu
-
-            index = gpu.assigned()  # a rank with its own GPU (--dist nccl): there
-            if index is None:
-                index = int(device.split(":")[1]) if ":" in device else 0
-                if index >= torch.cuda.device_count():
-                    index = torch.cuda.current_device()
-            t = t.to(f"cuda:{index}", non_blocking=False)
-        else:
+        if not device.startswith("cuda"):
             raise SerializationError(
                 f"received a tensor that lived on {device!r}, but this process has no such "
                 "device; move it to the CPU first (tensor.cpu()) if that is what you want"
             )
+        t = t.to(_target_device(torch, device), non_blocking=False)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _rebuild_cuda_ipc(args: tuple, device: str, requires_grad: bool):
+    """A copy, in this process's memory, of a CUDA tensor sent as an IPC handle."""
+    import torch
+
+    target = _target_device(torch, device)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    alias = rebuild_cuda_tensor(*args)  # the sender's memory (waits for its event)
+    try:
+        t = alias.to(target, copy=True)
+        torch.cuda.synchronize(t.device)  # copied before the sender may reuse its block
+        if alias.device != t.device:
+            torch.cuda.synchronize(alias.device)
+    finally:
+        del alias  # releases torch's IPC reference: the sender may free the block
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -74,9 +134,26 @@ _NUMPY_DTYPES: set[str] = {
 }
 
 
+def _reduce_cuda_ipc(t: Any) -> tuple | None:
+    """The IPC-handle reduction of a CUDA tensor, or None (then it is staged)."""
+    try:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(t.detach())
+    except Exception:  # noqa: BLE001 - no IPC for this tensor (or this build): stage it
+        return None
+    return (_rebuild_cuda_ipc, (args, str(t.device), bool(t.requires_grad)))
+
+
 def _reduce_tensor(t: Any) -> tuple:
     import torch
 
+    if (t.device.type == "cuda" and getattr(_ipc, "on", False)
+            and t.numel() * t.element_size() >= IPC_MIN_BYTES):
+        reduced = _reduce_cuda_ipc(t)
+        if reduced is not None:
+            _ipc.count = getattr(_ipc, "count", 0) + 1
+            return reduced
     device = str(t.device)
     requires_grad = bool(t.requires_grad)
     cpu = t.detach()
@@ -163,31 +240,48 @@ class Packed:
     """A value pickled by :func:`dumps`, carried inside a message.
 
     Large buffers (arrays, tensors) and a large pickle stream stay out of
-    band: they travel as their own ZeroMQ frames, without copies.
+    band: they travel as their own ZeroMQ frames, without copies. A value
+    that holds CUDA IPC handles (``ipc``) is unpickled as soon as it arrives,
+    not when first asked for: the sender's GPU memory is held until then.
     """
 
-    __slots__ = ("buffers", "payload")
+    __slots__ = ("_value", "buffers", "ipc", "payload")
 
-    def __init__(self, payload: Any, buffers: list[Any] | tuple = ()) -> None:
+    def __init__(self, payload: Any, buffers: list[Any] | tuple = (), ipc: bool = False) -> None:
         self.payload = payload
         self.buffers = buffers
+        self.ipc = ipc
+        if ipc:  # (only on the receiving side: see pack)
+            try:
+                self._value = (True, loads(payload, buffers))
+            except BaseException as e:  # noqa: BLE001 - raised by unpack, where it is asked for
+                self._value = (False, e)
 
     @classmethod
     def pack(cls, obj: Any) -> Packed:
         """Pickle ``obj`` now (raises SerializationError)."""
         if obj is None and cls is Packed:
             return _PACKED_NONE  # the value of most endpoints: made once
-        return cls(*dumps(obj))
+        before = getattr(_ipc, "count", 0)
+        p = cls(*dumps(obj))
+        p.ipc = getattr(_ipc, "count", 0) != before
+        return p
 
     def unpack(self) -> Any:
         """Unpickle (raises SerializationError)."""
+        if self.ipc and hasattr(self, "_value"):
+            ok, value = self._value
+            if not ok:
+                raise value
+            return value
         if self.payload == _NO_ARGS:  # an endpoint called without arguments
             return (), {}
         return loads(self.payload, self.buffers)
 
     def __reduce__(self) -> tuple:
-        return (Packed, (pickle.PickleBuffer(self.payload),
-                         [pickle.PickleBuffer(b) for b in self.buffers]))
+        args: tuple = (pickle.PickleBuffer(self.payload),
+                       [pickle.PickleBuffer(b) for b in self.buffers])
+        return (Packed, (*args, True) if self.ipc else args)
 
 
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})

@@ -48,6 +48,7 @@ import zmq
 from . import protocol, telemetry
 from .capture import FdCapture
 from .errors import RemoteError, SerializationError, _ranks_label
+from .serialize import cuda_ipc
 from .transport import Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
 
@@ -165,7 +166,9 @@ class Worker(WorkerIO):
             If ``content`` cannot be pickled.
         """
         shm = "receiver" if type == "reply" and self.controller_pid is not None else None
-        self._send_frames(self.codec.encode(type, content, parent, shm=shm))
+        with cuda_ipc(shm is not None):  # one receiver on this host: CUDA IPC handles
+            frames = self.codec.encode(type, content, parent, shm=shm)
+        self._send_frames(frames)
 
     def _send_frames(self, frames: list[Any]) -> None:
         if self.up is not None:

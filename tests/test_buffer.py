@@ -61,7 +61,7 @@ class Holder(Actor):
 
         dst = torch.empty(N)
         await buf.read_into(dst)
-        return float(dst.sum())
+        return float(dst.double().sum())  # (float64: the same sum on any machine)
 
     @endpoint
     def write(self, buf: RDMABuffer, value: float, n: int = N, route: str | None = None) -> None:
@@ -206,7 +206,7 @@ def test_owner_busy_and_async_and_own_rank(holders) -> None:
     assert total == float(sum(range(N)))
     busy.get(timeout=30)
     got, dst = holders.slice(procs=0).read.call_one(buf).get(timeout=30)
-    assert got == 4 * N and float(dst.sum()) == total
+    assert got == 4 * N and float(dst.double().sum()) == total
 
 
 def test_bad_input_is_refused_clearly(holders) -> None:
@@ -344,12 +344,14 @@ def test_cuda_staged_routes(gpu_holders) -> None:
     n = 1 << 20
     buf = gpu_holders.slice(procs=0).register.call_one("b", n).get(timeout=60)
     r1 = gpu_holders.slice(procs=1)
-    for route in ("shm", "band"):
+    want = torch.arange(n, dtype=torch.float32)
+    for value, route in ((5.0, "shm"), (7.0, "band")):
         used, kind, got = r1.read.call_one(buf, n, "cuda", route).get(timeout=60)
         assert used == [route] and kind == "cuda"
-        assert torch.equal(got, torch.arange(n, dtype=torch.float32))
-        r1.write.call_one(buf, 5.0, n, "cuda", route).get(timeout=60)
-        assert gpu_holders.slice(procs=0).total.call_one("b").get(timeout=60) == 5.0 * n
+        assert torch.equal(got, want)
+        r1.write.call_one(buf, value, n, "cuda", route).get(timeout=60)
+        assert gpu_holders.slice(procs=0).total.call_one("b").get(timeout=60) == value * n
+        want = torch.full((n,), value)
     r1.read.call_one(buf, n, "cuda", None).get(timeout=60)  # back to the real route
 
 

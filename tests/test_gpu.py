@@ -330,3 +330,75 @@ def test_ref_reduce_over_nccl(nccl_mesh):
     nccl_mesh.exec("c = torch.full((2,), 5.0)", timeout=T)
     back = nccl_mesh.ref("c").reduce("procs", "max").fetch()
     assert back.device.type == "cpu" and torch.equal(back, torch.full((2,), 5.0))
+
+
+# ------------------------------------------------- CUDA IPC (one receiver, this host)
+class Ipc(Actor):
+    @endpoint
+    def bump(self, t: torch.Tensor) -> tuple:
+        """Change the received tensor in place: the sender's must not change."""
+        t += 1
+        torch.cuda.synchronize()
+        return str(t.device), float(t.double().sum())
+
+    @endpoint
+    def make(self, n: int) -> torch.Tensor:
+        return torch.full((n,), 3.0, device="cuda")  # dropped here at once after sending
+
+    @endpoint
+    def pass_on(self, other: object, n: int) -> tuple:
+        t = torch.full((n,), 2.0, device="cuda")
+        out = other.bump.call_one(t).get(timeout=60)
+        torch.cuda.synchronize()
+        return out, float(t.double().sum())
+
+
+@pytest.mark.parametrize("ipc", ["1", "0"], ids=["ipc", "staged"])
+def test_big_cuda_tensors_are_copies_by_either_route(monkeypatch, ipc):
+    """Big CUDA tensors to one process on this host go by IPC handle (or staged
+    with MONARCH_CUDA_IPC=0): the receiver gets its own copy on its GPU, the
+    sender may drop its tensor at once, results come back the same way."""
+    before = _workers()
+    monkeypatch.setenv("MONARCH_CUDA_IPC", ipc)
+    n = 4 * MiB  # 16 MiB
+    with serialize.cuda_ipc():
+        packed = serialize.Packed.pack(torch.ones(n, device="cuda"))
+    assert packed.ipc is (ipc == "1")
+    m = spawn_procs(2, timeout=T, telemetry_interval=0)
+    try:
+        a = m.spawn("ipc", Ipc)
+        t = torch.zeros(n, device="cuda")
+        device, total = a.slice(procs=0).bump.call_one(t).get(timeout=T)
+        assert device == "cuda:0" and total == float(n)
+        assert float(t.sum()) == 0.0  # the sender's tensor is untouched
+        for _ in range(3):  # sent, then dropped by the sender before the receiver copies
+            f = a.slice(procs=1).bump.call_one(torch.full((n,), 5.0, device="cuda"))
+            torch.cuda.empty_cache()
+            torch.empty(n, device="cuda").fill_(-1.0)  # would take over freed memory
+            assert f.get(timeout=T) == ("cuda:0", 6.0 * n)
+        back = a.slice(procs=0).make.call_one(n).get(timeout=T)
+        assert back.device.type == "cuda" and float(back.double().sum()) == 3.0 * n
+        out, mine = a.slice(procs=0).pass_on.call_one(a.slice(procs=1), n).get(timeout=T)
+        assert out == ("cuda:0", 3.0 * n) and mine == 2.0 * n  # worker to worker
+        # a broadcast call (several receivers) is staged: still right everywhere
+        every = a.bump.call(torch.ones(n, device="cuda")).get(timeout=T).values()
+        assert every == [("cuda:0", 2.0 * n)] * 2
+    finally:
+        m.stop()
+        _no_new_workers(before)
+
+
+def test_big_cuda_tensor_to_a_worker_without_a_gpu_is_refused_clearly(monkeypatch):
+    torch.zeros(1, device="cuda")
+    before = _workers()
+    with monkeypatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        m = spawn_procs(1, timeout=T, telemetry_interval=0)
+    try:
+        a = m.spawn("nogpu", Ipc)
+        with pytest.raises(Exception, match="no such device") as ei:
+            a.bump.call_one(torch.ones(4 * MiB, device="cuda")).get(timeout=T)
+        assert ".cpu()" in str(ei.value)
+    finally:
+        m.stop()
+        _no_new_workers(before)

@@ -143,7 +143,9 @@ def test_dtensor_matmul_over_4_ranks_equals_the_controller(mesh):
     torch.testing.assert_close(torch.cat(c.gather().values()), A @ B)  # the local shards
     # the same with handles: B sharded by columns, A replicated, matmul on the ranks
     a = mesh.ref("A").to_dtensor(["R"], local=False)
-    b = mesh.ref("B").to_dtensor([torch.distributed.tensor.Shard(1)], local=False)
+    from torch.distributed.tensor import Shard  # (not imported by `import torch` everywhere)
+
+    b = mesh.ref("B").to_dtensor([Shard(1)], local=False)
     assert b.shape.values() == [(6, 1)] * 4
     p = a.map(operator.matmul, b)
     assert p.meta().values()[0]["placements"] == ["Shard(dim=1)"]
