@@ -137,3 +137,29 @@ def test_the_kernel_uses_it_and_keeps_output_before_idle():
             assert "".join(t for n, t in streams if n == "stderr") == "c\n"
     finally:
         ks.shutdown()
+
+
+def test_history_is_cached_in_memory_and_written_at_shutdown():
+    """The kernel batches IPython's history writes (HISTORY_CACHE_CELLS); what
+    a session ran is in the SQLite file once the kernel has shut down."""
+    import sqlite3
+    import uuid
+
+    ks = KernelSession("monarch")
+    marker = f"history_marker_{uuid.uuid4().hex[:12]}"
+    try:
+        r = ks.execute("hm = get_ipython().history_manager\n"
+                       "hm.db_cache_size, str(hm.hist_file), hm.session_number")
+        assert r.status == "ok", r.error_text()
+        size, path, session = eval(r.result_text())  # noqa: S307 - our own repr of a tuple
+        assert size == 20
+        for i in range(3):
+            assert ks.execute(f"{marker} = {i}").status == "ok"
+    finally:
+        ks.shutdown()
+    if path == ":memory:":
+        pytest.skip("IPython history is not kept in a file here")
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT source FROM history WHERE session = ? AND source LIKE ?",
+                          (session, f"{marker}%")).fetchall()
+    assert [r[0] for r in rows] == [f"{marker} = {i}" for i in range(3)]
