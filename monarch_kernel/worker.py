@@ -197,6 +197,9 @@ class Worker(WorkerIO):
         self.telemetry = telemetry.start(self, self.telemetry_interval)
         while True:
             try:
+                if not self.actors and self.requests.empty():
+                    # no actor: this thread reads the next request itself (worker_io)
+                    self.lead_until(self.requests, actors=0)
                 msg = self.requests.get()
             except KeyboardInterrupt:  # an interrupt that arrived while idle
                 continue

@@ -5,7 +5,8 @@ them (calls to actors' queues, requests to the main thread's queue,
 interrupts, debugger input), sends heartbeats and watches the controller.
 The I/O thread leads by default; the thread of the worker's only actor
 leads while it is idle (:meth:`WorkerIO.lead_until`), so a call is read by
-the thread that runs it, with no hand-off between threads. The I/O thread
+the thread that runs it, with no hand-off between threads; so does the main
+thread, which runs cells, while the worker has no actor. The I/O thread
 takes the lead again 10-30 ms after the actor stopped leading (while the
 actor runs a call). :class:`WorkerIO` is a mixin of
 :class:`~monarch_kernel.worker.Worker` and uses its sockets and queues.
@@ -83,12 +84,13 @@ class WorkerIO:
         except Exception:  # noqa: BLE001 - closing: nobody to wake
             pass
 
-    def lead_until(self, q: Any) -> bool:
-        """Do the I/O in this thread until ``q`` has an item (an actor thread,
-        idle). Returns False, at once, when it cannot lead: another actor
-        runs on this worker, or the worker is stopping; the caller then
-        waits on ``q`` as usual."""
-        if len(self.actors) > 1 or self.stopping.is_set() or self._poller is None:
+    def lead_until(self, q: Any, actors: int = 1) -> bool:
+        """Do the I/O in this thread until ``q`` has an item (an idle thread:
+        the only actor's, or the main thread's while no actor exists,
+        ``actors=0``). Returns False, at once, when it cannot lead: more
+        actors than ``actors`` run on this worker, or the worker is
+        stopping; the caller then waits on ``q`` as usual."""
+        if len(self.actors) > actors or self.stopping.is_set() or self._poller is None:
             return False
         with self._want_lock:
             self._want += 1
@@ -102,7 +104,7 @@ class WorkerIO:
                     return False
             try:
                 while q.empty():
-                    if self.stopping.is_set() or len(self.actors) > 1 or self._want > 1:
+                    if self.stopping.is_set() or len(self.actors) > actors or self._want > 1:
                         return False  # (another actor thread wants to lead: let it)
                     self._io_step(50)
                 return True
