@@ -25,7 +25,6 @@ thread that leads, outside the controller's lock; they must not block.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import sys
 import threading
@@ -38,6 +37,7 @@ import zmq
 from . import batching, protocol, shm
 from .batching import BatchingIO
 from .controller_io import ControllerIO
+from .controller_output import RankOutput
 from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
@@ -49,7 +49,7 @@ log = logging.getLogger("monarch_kernel.controller")
 __all__ = ["Controller", "RankInfo", "Request"]
 
 
-class Controller(ControllerIO, BatchingIO):
+class Controller(ControllerIO, BatchingIO, RankOutput):
     """Owns the ROUTER socket of one mesh and routes its messages.
 
     Parameters
@@ -333,6 +333,9 @@ class Controller(ControllerIO, BatchingIO):
                 return
             info.state = state
             info.exitcode = exitcode
+            for name in info.shm_files:  # (a worker that exited cleanly removed them)
+                shm.unlink(name)
+            info.shm_files.clear()
             failure = self.rank_failure(rank)
             waiting = [q for q in self.pending.values()
                        if rank in q.ranks and rank not in q.replies]
@@ -351,77 +354,6 @@ class Controller(ControllerIO, BatchingIO):
         if all(r in req.replies or self.ranks[r].state in ("dead", "stopped")
                for r in req.ranks):
             self.pending.pop(req.id, None)
-
-    def adopt_pipes(self, rank: int, stdout_fd: int, stderr_fd: int) -> None:
-        """Take the read ends of a local worker's stdout/stderr pipes (any thread).
-
-        From then on the I/O thread alone reads them: live, before handling the
-        rank's replies (so a reply never overtakes its output), and to the end
-        when the rank dies (so nothing it wrote is lost); it closes them at EOF.
-        """
-        with self._lock:
-            self._new_pipes.append((rank, stdout_fd, stderr_fd))
-        try:  # wake the I/O thread so it registers them now
-            self.outbox.send([b""])
-        except TransportError:
-            pass
-
-    def _register_pipes(self, poller: zmq.Poller) -> None:
-        with self._lock:
-            new, self._new_pipes = self._new_pipes, []
-        for rank, out_fd, err_fd in new:
-            for fd, name in ((out_fd, "stdout"), (err_fd, "stderr")):
-                self._pipes[fd] = _Pipe(rank, name, fd)
-                poller.register(fd, zmq.POLLIN)
-                if rank not in self._rank_polls:
-                    self._rank_polls[rank] = select.poll()
-                self._rank_polls[rank].register(fd, select.POLLIN)
-
-    def _read_pipe(self, pipe: _Pipe, poller: zmq.Poller | None) -> None:
-        """Forward what is in ``pipe`` now; close it at EOF."""
-        while True:
-            try:
-                data = os.read(pipe.fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:  # every writer is gone
-                if poller is not None:
-                    poller.unregister(pipe.fd)
-                rank_poll = self._rank_polls.get(pipe.rank)
-                if rank_poll is not None:
-                    rank_poll.unregister(pipe.fd)
-                self._pipes.pop(pipe.fd, None)
-                os.close(pipe.fd)
-                return
-            text = pipe.decoder.decode(data)
-            if text:
-                self._deliver_stream(pipe.rank, pipe.name, text, self._running_request(pipe.rank))
-            if len(data) < 65536:
-                return
-
-    def _drain_pipes(self, rank: int) -> None:
-        """Forward everything ``rank`` wrote so far (the thread that leads);
-        one poll(2) of the rank's pipes when there is nothing to read."""
-        rank_poll = self._rank_polls.get(rank)
-        if rank_poll is None:
-            return
-        for fd, _ in rank_poll.poll(0):
-            pipe = self._pipes.get(fd)
-            if pipe is not None:
-                self._read_pipe(pipe, self._poller)
-
-    def _running_request(self, rank: int) -> Request | None:
-        """The request ``rank`` is working on: its oldest unanswered one."""
-        with self._lock:
-            for q in self.pending.values():
-                if rank in q.ranks and rank not in q.replies and q.failure is None:
-                    return q
-            for q in self.pending.values():  # failed, but still routable for a while
-                if rank in q.ranks and rank not in q.replies:
-                    return q
-        return None
 
     def _notify_listeners(self, kind: str, rank: int, payload: Any) -> None:
         for fn in list(self.listeners):
@@ -460,6 +392,7 @@ class Controller(ControllerIO, BatchingIO):
                 c = msg.content
                 status, value = c["status"], c["value"]
             except (ProtocolError, KeyError, TypeError) as e:
+                c = None
                 # a signed reply that does not unpickle here (a CUDA tensor on a host
                 # without GPU, an exception class only the workers have): an error
                 # reply, never a request that waits forever
@@ -467,6 +400,9 @@ class Controller(ControllerIO, BatchingIO):
                     "type": "monarch_kernel.errors.SerializationError", "traceback": "",
                     "message": f"the reply of rank {rank} cannot be decoded here: {e}",
                     "exc": None}
+            if msg.pooled:  # copied out of the rank's pooled files: it may reuse them
+                info.shm_files.update(msg.pooled)
+                self.notify([rank], "shm_done", {"names": msg.pooled})
             self._on_reply(info, msg.parent, status, value)
             return
         if t == "replies":  # several ok replies in one message (a worker's batch)
@@ -548,41 +484,6 @@ class Controller(ControllerIO, BatchingIO):
                 info.state = "idle"
         if finished is not None:
             finished._finish()  # callbacks run outside the controller's lock
-
-    def _deliver_stream(self, rank: int, name: str, text: str, req: Request | None) -> None:
-        self._remember_output(self.ranks[rank], text)
-        if req is not None:
-            req.put_event(("stream", rank, name, text))
-        elif self.on_output is not None:
-            self.on_output(rank, name, text)
-        else:
-            log.info("[%d] %s", rank, text.rstrip("\n"))
-
-    def _deliver_leftover(self, rank: int) -> None:
-        """Forward what a dead rank wrote but never sent (read from the launcher's pipes)."""
-        try:
-            chunks = self.leftover_output(rank) if self.leftover_output else []
-        except Exception:
-            log.exception("reading the output of dead rank %d failed", rank)
-            return
-        with self._lock:
-            waiting = [q for q in self.pending.values()
-                       if rank in q.ranks and rank not in q.replies]
-        for name, data in chunks:
-            text = data.decode("utf-8", errors="replace")
-            if waiting:
-                for q in waiting:
-                    self._deliver_stream(rank, name, text, q)
-            else:
-                self._deliver_stream(rank, name, text, None)
-
-    @staticmethod
-    def _remember_output(info: RankInfo, text: str) -> None:
-        text = info.partial + text
-        *lines, info.partial = text.split("\n")
-        info.last_lines.extend(lines)
-        if len(info.partial) > 4096:
-            info.partial = info.partial[-4096:]
 
     # --------------------------------------------------------------- closing
     def close(self) -> None:

@@ -91,6 +91,7 @@ TYPES = frozenset(
         "debug_input",  # {session, line}: a pdb command line (None: release the session)
         "ref",  # {op, id, ...}: values kept on the ranks for handles (tensor_store.py)
         "free",  # {ids}: one-way, drop those kept values (tensor_store.py)
+        "shm_done",  # {names}: one-way, the worker may reuse these pooled files (a reply's)
         # worker -> worker (peer sockets)
         "buffer",  # {op, id, n, m, ...}: an RDMABuffer read/write/drop (buffer_ops.py)
         # both ways
@@ -132,6 +133,10 @@ class Message:
         The unpickled payload.
     identity : list of bytes
         ROUTER identity frames it arrived with (empty on a DEALER).
+    pooled : list of str
+        Names of the sender's pooled shared-memory files whose bytes this
+        message carries: copied out when ``content`` is decoded, after which
+        the sender may reuse them (it is told with ``shm_done``).
     """
 
     type: str
@@ -141,6 +146,7 @@ class Message:
     _payload: Any = field(repr=False)
     identity: list[bytes] = field(default_factory=list)
     _buffers: list[Any] = field(default_factory=list, repr=False)
+    pooled: list[str] = field(default_factory=list)
     _decoded: bool = field(default=False, repr=False)
     _content: Any = field(default=None, repr=False)
 
@@ -392,7 +398,8 @@ class Codec:
             buffers = list(buffers)
             for i, (name, size, mode) in zip(sh, described):
                 buffers[i] = _ShmFrame(name, size, mode)
-        msg = Message(mtype, mid, parent, sender, payload, identity, buffers)
+        msg = Message(mtype, mid, parent, sender, payload, identity, buffers,
+                      [d[0] for d in described if d[2] == "p"] if sh else [])
         if not lazy:
             msg.content  # noqa: B018 - decode now, raising ProtocolError here
         return msg

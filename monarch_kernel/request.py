@@ -50,6 +50,9 @@ class RankInfo:
     #: routing identity of the rank's connection, learnt from its signed hello
     #: (random per worker process, so no other connection can claim the rank's traffic)
     identity: bytes = b""
+    #: the worker's pooled shared-memory files seen in its replies: removed by the
+    #: controller if the worker dies without removing them itself (SIGKILL)
+    shm_files: set[str] = field(default_factory=set)
 
     def describe_exit(self) -> str:
         if self.exitcode is None:

@@ -46,6 +46,7 @@ from typing import Any
 import zmq
 
 from . import protocol, telemetry
+from . import shm as _shm
 from .capture import FdCapture
 from .errors import RemoteError, SerializationError, _ranks_label
 from .serialize import cuda_ipc
@@ -108,6 +109,8 @@ class Worker(WorkerIO):
         self.heartbeat_timeout = heartbeat_timeout
         self.curve_server_key = curve_server_key  # set: encrypted mesh (actor peers too)
         self.codec = protocol.Codec(key, f"r{rank}")
+        if controller_pid is not None:  # the controller is on this host: pooled replies
+            self.codec.pool = _shm.Pool()
         self.ctx = zmq.Context()
         # a random routing identity: the controller learns it from the signed hello
         ident = f"r{rank}.{secrets.token_hex(8)}".encode()
@@ -165,9 +168,10 @@ class Worker(WorkerIO):
         SerializationError
             If ``content`` cannot be pickled.
         """
-        shm = "receiver" if type == "reply" and self.controller_pid is not None else None
+        shm = "sender" if type == "reply" and self.controller_pid is not None else None
         with cuda_ipc(shm is not None):  # one receiver on this host: CUDA IPC handles
-            frames = self.codec.encode(type, content, parent, shm=shm)
+            # large buffers in pooled files, reused once the controller says shm_done
+            frames = self.codec.encode(type, content, parent, shm=shm, shm_out=[])
         self._send_frames(frames)
 
     def _send_frames(self, frames: list[Any]) -> None:

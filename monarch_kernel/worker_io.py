@@ -189,6 +189,11 @@ class WorkerIO:
 
             debug_server.deliver(msg.content)
             return
+        if msg.type == "shm_done":  # the controller copied a reply's pooled files
+            from .shm import NAME_RE
+
+            self.codec.release_shm([n for n in msg.content["names"] if NAME_RE.match(n)])
+            return
         if msg.type == "free":  # handles gone on the controller: drop their kept values
             from . import tensor_store
 

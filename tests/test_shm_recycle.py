@@ -69,3 +69,93 @@ def test_kept_buffers_are_bounded(send, monkeypatch):
     kept = [send(np.full(N, i, np.float32)) for i in range(6)]  # all in use: none reusable
     assert sum(b.nbytes for b in shm._recv) <= 3 << 20
     assert [float(k[0]) for k in kept] == list(range(6))
+
+
+def _our_files() -> set[str]:
+    import os
+
+    return {n for n in os.listdir(shm.DIRECTORY) if shm.NAME_RE.match(n)}
+
+
+def test_replies_reuse_the_workers_pooled_files():
+    """A worker's large replies go through pooled files, which it reuses once the
+    controller has copied them out (``shm_done``); every result keeps its own
+    bytes, and a reply nobody waits for any more is acknowledged too."""
+    import sys
+
+    import cloudpickle
+
+    from monarch_kernel import Actor, endpoint, spawn_procs
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Maker(Actor):
+        @endpoint
+        def make(self, value: float) -> np.ndarray:
+            return np.full(4 * N, value, np.float32)  # 4 MiB
+
+        @endpoint
+        def slow(self, secs: float) -> np.ndarray:
+            import time
+
+            time.sleep(secs)
+            return np.full(4 * N, 9, np.float32)
+
+        @endpoint
+        def files(self) -> int:
+            from monarch_kernel import worker
+
+            pool = worker.current.codec.pool
+            return len(pool._free) + len(pool._busy)
+
+    procs = spawn_procs(1)
+    try:
+        m = procs.spawn("maker", Maker)
+        before = _our_files()
+        results = [m.make.call_one(float(i)).get(timeout=30) for i in range(12)]
+        assert [float(r[0]) for r in results] == [float(i) for i in range(12)]
+        assert all((r == i).all() for i, r in enumerate(results))
+        made = _our_files() - before
+        assert m.files.call_one().get(timeout=30) <= 2 and len(made) <= 3, made
+        f = m.slow.call_one(0.5)
+        with pytest.raises(TimeoutError):
+            f.get(timeout=0.05)  # given up on: its reply still comes, and is acknowledged
+        del f
+        import time
+
+        time.sleep(1.0)
+        assert float(m.make.call_one(5.0).get(timeout=30)[0]) == 5.0
+        assert m.files.call_one().get(timeout=30) <= 2
+    finally:
+        procs.stop()
+    gc.collect()
+
+
+def test_a_killed_workers_pooled_files_are_removed():
+    import os
+    import signal
+    import sys
+
+    import cloudpickle
+
+    from monarch_kernel import Actor, endpoint, spawn_procs
+    from monarch_kernel.testing import wait_for
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Maker(Actor):
+        @endpoint
+        def make(self) -> np.ndarray:
+            return np.ones(4 * N, np.float32)
+
+    procs = spawn_procs(1)
+    try:
+        m = procs.spawn("maker", Maker)
+        before = _our_files()
+        m.make.call_one().get(timeout=30)
+        made = _our_files() - before
+        assert made  # the worker's pooled file
+        os.kill(procs.controller.ranks[0].pid, signal.SIGKILL)
+        wait_for(lambda: not (made & _our_files()), 15, what="the dead worker's files removed")
+    finally:
+        procs.stop()
