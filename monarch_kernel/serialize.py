@@ -106,7 +106,11 @@ def _rebuild_cuda_ipc(args: tuple, device: str, requires_grad: bool):
     """A copy, in this process's memory, of a CUDA tensor sent as an IPC handle."""
     import torch
 
-    target = _target_device(torch, device)
+    try:
+        target = _target_device(torch, device)
+    except SerializationError:  # no GPU here: still let the sender free its block
+        _release_ipc_reference(args)
+        raise
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     alias = rebuild_cuda_tensor(*args)  # the sender's memory (waits for its event)
@@ -132,6 +136,17 @@ _NUMPY_DTYPES: set[str] = {
     "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool",
     "complex64", "complex128",
 }
+
+
+def _release_ipc_reference(args: tuple) -> None:
+    """Give back the reference a CUDA IPC handle holds on the sender's memory
+    without opening it (as ``rebuild_cuda_tensor`` does for a cached handle);
+    best effort: only the shared reference-count file is touched."""
+    storage_cls, device, counter, offset = args[4], args[6], args[11], args[12]
+    try:
+        storage_cls._release_ipc_counter(counter, offset, device=device)
+    except Exception:  # noqa: BLE001, S110 - the sender then keeps the block until it exits
+        pass
 
 
 def _reduce_cuda_ipc(t: Any) -> tuple | None:
