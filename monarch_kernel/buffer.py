@@ -52,8 +52,9 @@ def _worker() -> Any:
     mod = sys.modules.get("monarch_kernel.worker")
     w = getattr(mod, "current", None) if mod is not None else None
     if w is None:
-        raise MeshError("RDMABuffer works on the ranks of a mesh: make it and read it in actor "
-                        "endpoints or %%mesh cells (the controller holds handles only)")
+        raise MeshError("RDMABuffer works on the ranks of a mesh: register, read, write and "
+                        "drop buffers in actor endpoints or %%mesh cells (the controller can "
+                        "only hold handles and pass them on)")
     return w
 
 
@@ -238,7 +239,9 @@ class RDMABuffer:
         view = _byte_view(src, "src", writable=False)
         n = _nbytes(view)
         if n > self._nbytes:
-            raise ValueError(f"src has {n} bytes but the buffer holds only {self._nbytes}")
+            raise ValueError(f"src has {n} bytes but the buffer holds only {self._nbytes}: "
+                             f"write a part of it (at most {self._nbytes} bytes), or register "
+                             "a larger buffer")
         return self._start("write", view, timeout)
 
     def drop(self) -> Future[None]:

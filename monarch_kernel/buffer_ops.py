@@ -207,8 +207,8 @@ def serve(host: Any, msg: Any) -> None:
         reply = {"status": "error", "value": {"type": "RuntimeError", "message": str(e),
                                              "code": "noipc"}}
     except Exception as e:  # noqa: BLE001 - any failure goes back to the reader
-        reply = {"status": "error", "value": {"type": type(e).__name__,
-                                             "message": f"rank {host.rank}: {e}"}}
+        text = str(e) if f"rank {host.rank}" in str(e) else f"rank {host.rank}: {e}"
+        reply = {"status": "error", "value": {"type": type(e).__name__, "message": text}}
     try:
         frames = host.codec.encode("reply", reply, parent=msg.id)
     except Exception as e:  # noqa: BLE001 - cannot happen for arrays; never leave a reader waiting

@@ -2,8 +2,10 @@
 # The GPU check, in one command, for a machine with CUDA torch but without
 # pyzmq or Jupyter, and without network:   bash scripts/device_check.sh
 #
-#  1. installs the wheels of .whl/ (pyzmq) into /tmp/site; the project itself is
-#     not installed: PYTHONPATH=/tmp/site:<repo>, which the workers inherit;
+#  1. uses .venv/bin/python when the project's venv exists (scripts/setup.sh), else
+#     python3 with the wheels of .whl/ (pyzmq, for a machine without network that has
+#     CUDA torch, numpy, cloudpickle, psutil, pytest) installed into /tmp/site; the
+#     project is on PYTHONPATH=/tmp/site:<repo>, which the workers inherit;
 #  2. prints nvidia-smi and the python / torch / CUDA / NCCL / pyzmq versions;
 #  3. runs the GPU tests and the data-plane tests (files that exist);
 #  4. runs benchmarks/gpu.py (CUDA tensors through actor calls vs torch copies).
@@ -20,7 +22,9 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-PY=${PY:-python3}
+if [ -z "${PY:-}" ]; then  # the project's venv when there is one, else the machine's python3
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-$REPO/build/device_check}
@@ -40,10 +44,14 @@ record() {  # record NAME RC
 left() { echo $((BUDGET - SECONDS)); }
 
 # ------------------------------------------------------------------ 1. wheels
-step "install $WHEELS/*.whl into $SITE" | tee "$OUT/env.txt"
-timeout -k 5 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target "$SITE" "$WHEELS"/*.whl 2>&1 | tee -a "$OUT/env.txt"
-record install $?
+if compgen -G "$WHEELS/*.whl" > /dev/null; then  # (a machine without network: carried wheels)
+    step "install $WHEELS/*.whl into $SITE" | tee "$OUT/env.txt"
+    timeout -k 5 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" "$WHEELS"/*.whl 2>&1 | tee -a "$OUT/env.txt"
+    record install $?
+else
+    : > "$OUT/env.txt"
+fi
 export PYTHONPATH="$SITE:$REPO"
 export PYTHONUNBUFFERED=1
 
