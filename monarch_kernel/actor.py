@@ -370,8 +370,8 @@ class ActorMesh(Generic[A]):
         if w is not None:  # (not this very process: an IPC handle cannot be opened there)
             from .actor_peers import _addr_host, peer_host
 
-            return rank != w.rank and (
-                _addr_host(self._peers[rank]) == _addr_host(peer_host(w).address))
+            here = peer_host(w).address
+            return self._peers[rank] != here and _addr_host(self._peers[rank]) == _addr_host(here)
         pm = self._record.procmesh
         return pm is not None and rank in pm.controller.local_ranks
 

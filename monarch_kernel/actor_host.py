@@ -329,8 +329,14 @@ def _answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, stat
         w.reply(mid, status, value)
     else:
         host = peer_host(w)
-        host.outbox.send([b"r", *route, *host.codec.encode(
-            "reply", {"status": status, "value": value}, parent=mid)])
+        try:
+            frames = host.codec.encode("reply", {"status": status, "value": value}, parent=mid)
+        except SerializationError as e:  # (too large, say): the caller gets why, not a hang
+            frames = host.codec.encode("reply", {"status": "error", "value": {
+                "type": "monarch_kernel.errors.SerializationError", "traceback": "",
+                "message": f"rank {w.rank}: the result of {c.get('m')!r} cannot be sent "
+                           f"back: {e}", "exc": None}}, parent=mid)
+        host.outbox.send([b"r", *route, *frames])
 
 
 def _missing(w: Any, name: str) -> MeshFailure:

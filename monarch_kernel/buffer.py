@@ -154,12 +154,14 @@ class RDMABuffer:
         self._address = host.address
         self._nbytes = nbytes
         self._device = str(view.device) if hasattr(view, "numel") else "cpu"
+        self._mesh = _fingerprint(w)
         with _lock:
             _registry[self._id] = (data, view)
 
     # -------------------------------------------------------------- the handle
     def __reduce__(self) -> tuple:
-        return (_rebuild, (self._id, self._rank, self._address, self._nbytes, self._device))
+        return (_rebuild, (self._id, self._rank, self._address, self._nbytes, self._device,
+                           self._mesh))
 
     def __repr__(self) -> str:
         return (f"RDMABuffer({self._nbytes} bytes on rank {self._rank}, {self._device}, "
@@ -252,17 +254,29 @@ class RDMABuffer:
         -------
         Future of None
         """
-        w = _worker()
-        if w.rank == self._rank:
+        w = self._worker_of_mesh()
+        if self._is_owner(w):
             with _lock:
                 _registry.pop(self._id, None)
             return Future.completed(None)
         return self._start("drop", None, None)
 
     # ---------------------------------------------------------------- plumbing
-    def _start(self, op: str, view: Any, timeout: float | None) -> Future[Any]:
+    def _worker_of_mesh(self) -> Any:
         w = _worker()
-        if w.rank == self._rank:  # the owner itself: a plain copy
+        if _fingerprint(w) != self._mesh:
+            raise MeshError(f"{self!r} was registered on a rank of another mesh: a buffer "
+                            "can be read and written by the ranks of its own mesh only")
+        return w
+
+    def _is_owner(self, w: Any) -> bool:
+        from .actor_peers import peer_host
+
+        return peer_host(w).address == self._address
+
+    def _start(self, op: str, view: Any, timeout: float | None) -> Future[Any]:
+        w = self._worker_of_mesh()
+        if self._is_owner(w):  # the owner itself: a plain copy
             try:
                 reg = _lookup(self._id, self._rank)[1]
                 n = _nbytes(view)
@@ -288,10 +302,19 @@ def _lookup(bid: str, rank: int) -> tuple[Any, Any]:
     return entry
 
 
-def _rebuild(bid: str, rank: int, address: str, nbytes: int, device: str) -> RDMABuffer:
+def _rebuild(bid: str, rank: int, address: str, nbytes: int, device: str,
+             mesh: str) -> RDMABuffer:
     b = RDMABuffer.__new__(RDMABuffer)
     b._id, b._rank, b._address, b._nbytes, b._device = bid, rank, address, nbytes, device
+    b._mesh = mesh
     return b
+
+
+def _fingerprint(w: Any) -> str:
+    """Names the mesh of worker ``w`` (from its key; the key itself never travels)."""
+    import hashlib
+
+    return hashlib.sha256(b"monarch-rdma-buffer:" + w.codec._key).hexdigest()[:16]
 
 
 def registered(bid: str) -> bool:

@@ -53,7 +53,8 @@ def _route(host: Any, buf: Any) -> str:
 class _Op:
     """One operation in flight (reader side)."""
 
-    __slots__ = ("buf", "future", "lease", "n", "op", "route", "timed_out", "timer", "view")
+    __slots__ = ("buf", "future", "lease", "lock", "n", "op", "route", "state", "timed_out",
+                 "timer", "view")
 
     def __init__(self, buf: Any, op: str, view: Any, route: str) -> None:
         self.buf, self.op, self.view, self.route = buf, op, view, route
@@ -62,6 +63,10 @@ class _Op:
         self.lease: tuple[str, Any] | None = None
         self.timer: threading.Timer | None = None
         self.timed_out = False
+        # "pending" until the reply is acted on ("copying"), or the timer fires first
+        # ("expired"): a copy into dst never starts after a TimeoutError was reported
+        self.state = "pending"
+        self.lock = threading.Lock()
 
 
 def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> Future[Any]:
@@ -99,6 +104,12 @@ def _send(host: Any, o: _Op) -> None:
                     dst = np.frombuffer(o.lease[1], np.uint8, count=o.n)
                     _copy(dst, o.view)
                     del dst
+        if o.route == "band" and o.op != "drop" and o.n > host.codec.max_buffers:
+            raise ValueError(
+                f"RDMABuffer {o.op} of {o.n} bytes: without shared memory between the two "
+                f"ranks (another host, or /dev/shm full) the bytes go in one message, and "
+                f"the mesh's limit is {host.codec.max_buffers} bytes; {o.op} it in parts "
+                "(views of at most that size, one RDMABuffer each)")
         if o.route == "band" and o.op == "write":
             content["data"] = _to_numpy(o.view)
         req = host.request([buf._rank], {buf._rank: buf._address}, content, oneway=False,
@@ -119,7 +130,17 @@ def _to_numpy(view: Any) -> Any:
 def _finish(host: Any, o: _Op, req: Any) -> None:
     """The owner answered (in this process's peer I/O thread)."""
     global _ipc_refused
-    if o.timed_out:
+    with o.lock:
+        expired = o.state == "expired"
+        if not expired:
+            o.state = "copying"
+    if expired:
+        if o.route == "ipc" and req.failure is None and o.op != "drop":
+            status, value = req.replies.get(o.buf._rank, ("error", None))
+            if status == "ok" and value is not None:  # a handle never opened: let it go
+                from .serialize import _release_ipc_reference
+
+                _release_ipc_reference(value)
         _release(o)
         return
     rank = o.buf._rank
@@ -133,9 +154,11 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
                             rank, value.get("message"))
                 _ipc_refused = True
                 o.route = "shm" if _shm.available() else "band"
+                with o.lock:
+                    o.state = "pending"
                 _send(host, o)
                 return
-            raise (MeshError if value.get("type") == "MeshError" else ValueError)(
+            raise _ERRORS.get(value.get("type"), RuntimeError)(
                 value.get("message", "the owner refused the operation"))
         if o.op == "read":
             if o.route == "ipc":
@@ -188,8 +211,10 @@ def _release(o: _Op) -> None:
 
 
 def _expire(host: Any, o: _Op, timeout: float) -> None:
-    if o.future.done():
-        return
+    with o.lock:
+        if o.state != "pending":  # the reply is being acted on: it will complete
+            return
+        o.state = "expired"
     o.timed_out = True
     o.future.set_exception(TimeoutError(
         f"RDMABuffer {o.op} of {o.n} bytes: rank {o.buf._rank} did not answer within "
@@ -219,6 +244,13 @@ def serve(host: Any, msg: Any) -> None:
 
 class _NoIpc(RuntimeError):
     pass
+
+
+#: the owner's exception types, by name, raised again on the reader's side
+_ERRORS: dict[str, type[Exception]] = {
+    "MeshError": MeshError, "ValueError": ValueError, "TypeError": TypeError,
+    "OSError": OSError, "FileNotFoundError": OSError, "RuntimeError": RuntimeError,
+    "SerializationError": RuntimeError}
 
 
 def _serve(c: dict[str, Any], rank: int) -> Any:

@@ -333,6 +333,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                 return
             info.state = state
             info.exitcode = exitcode
+            shm.forget(info.shm_files)  # cached mappings would pin their memory
             for name in info.shm_files:  # (a worker that exited cleanly removed them)
                 shm.unlink(name)
             info.shm_files.clear()
@@ -503,3 +504,5 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self.ctx.term()
         if self.codec.pool is not None:
             self.codec.pool.close()
+        for info in self.ranks.values():
+            shm.forget(info.shm_files)

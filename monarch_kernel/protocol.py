@@ -269,12 +269,14 @@ class Codec:
         content : Any
             The payload (pickled with :func:`serialize.dumps`).
         parent, id : str, optional
-        shm : {None, "sender", "receiver"}
+        shm : {None, "sender", "receiver", "reply"}
             For a receiver on this host: buffers of at least
             :data:`shm.MIN_BYTES` go through shared memory (:mod:`.shm`), and
             the named side removes the files (``"sender"``: the caller, with
             the names appended to ``shm_out``, gives them back with
-            :meth:`release_shm` once the receivers answered).
+            :meth:`release_shm` once the receivers answered). ``"reply"``:
+            pooled files that the receiver reports copied (``shm_done``),
+            else fresh files that the receiver removes.
 
         Returns
         -------
@@ -302,12 +304,13 @@ class Codec:
                 buffers = list(buffers)
                 for i in big:
                     try:
-                        sb = self.pool.put(buffers[i]) if shm == "sender" and self.pool else None
+                        pooled = shm in ("sender", "reply") and self.pool is not None
+                        sb = self.pool.put(buffers[i]) if pooled else None
                         if sb is not None:
                             mode = "p"
-                        else:
+                        else:  # a fresh file; a reply's is removed by its receiver
                             sb = _shm.create(buffers[i])
-                            mode = "1" if shm == "receiver" else "0"
+                            mode = "0" if shm == "sender" else "1"
                     except OSError as e:  # /dev/shm full or missing: send the bytes in-band
                         log.info("shared memory unavailable (%s); sending %d bytes in-band",
                                  e, buffers[i].nbytes)

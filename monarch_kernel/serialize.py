@@ -16,11 +16,11 @@ refuses it with an error that says to send ``tensor.cpu()``.
 
 How a CUDA tensor travels: to one process on the same host (the sender
 says so with :func:`cuda_ipc`), a tensor of at least :data:`IPC_MIN_BYTES`
-goes as a CUDA IPC handle (``torch.multiprocessing``'s reduction: the
-receiver maps the sender's memory, copies it device to device into memory
-of its own and lets go; torch's IPC reference count keeps the sender's
-block until then, and its event orders the copy after the sender's queued
-work). Otherwise it is staged through host memory. ``MONARCH_CUDA_IPC=0``
+goes as a CUDA IPC handle of a device copy made at send time (a snapshot,
+like staged bytes: ``torch.multiprocessing``'s reduction; the receiver maps
+that copy, copies it device to device into memory of its own and lets go;
+torch's IPC reference count keeps the sender's copy until then, and its
+event orders the receiver's copy after the sender's). Otherwise it is staged through host memory. ``MONARCH_CUDA_IPC=0``
 turns the IPC route off.
 """
 
@@ -154,7 +154,10 @@ def _reduce_cuda_ipc(t: Any) -> tuple | None:
     try:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _, args = reduce_tensor(t.detach())
+        # a copy of its own: the receiver copies when the message arrives, and what the
+        # sender does to its tensor meanwhile must not show (the message is a snapshot,
+        # as when staged); the copy is freed once the receiver let go of the handle
+        _, args = reduce_tensor(t.detach().clone())
     except Exception:  # noqa: BLE001 - no IPC for this tensor (or this build): stage it
         return None
     return (_rebuild_cuda_ipc, (args, str(t.device), bool(t.requires_grad)))

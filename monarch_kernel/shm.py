@@ -40,7 +40,7 @@ import secrets
 import sys
 import threading
 
-__all__ = ["MIN_BYTES", "NAME_RE", "RECV_MAX_BYTES", "ShmBuffer", "create", "open_buffer",
+__all__ = ["MIN_BYTES", "NAME_RE", "RECV_MAX_BYTES", "ShmBuffer", "create", "forget", "open_buffer",
            "unlink"]
 
 #: buffers at least this large travel through shared memory on one host
@@ -114,9 +114,16 @@ class Pool:
                 seg = min(fit, key=lambda f: f[1])
                 self._free.remove(seg)
             else:
+                gone = []
+                while self._free and self._total() + n > self.max_bytes:
+                    gone.append(self._free.pop(0))  # free files too small: make room
                 if self._total() + n > self.max_bytes:
+                    self._free.extend(gone)
                     return None
                 seg = None
+                for name, _, mm in gone:
+                    mm.close()
+                    unlink(name)
         if seg is None:
             name = f"monarch-{secrets.token_hex(12)}"
             fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL,
@@ -261,6 +268,18 @@ def open_buffer(name: str, nbytes: int, mode: str) -> memoryview:
 
 
 _wmaps: dict[str, mmap.mmap] = {}  # files other processes lent us to write into (LRU)
+
+
+def forget(names: set[str] | list[str]) -> None:
+    """Drop this process's cached mappings of other processes' files (their
+    memory stays pinned while mapped, even once the files are removed)."""
+    with _lock:
+        maps = [m.pop(n) for m in (_maps, _wmaps) for n in list(names) if n in m]
+    for mm in maps:
+        try:
+            mm.close()
+        except BufferError:  # a view still uses it: it goes with that view
+            pass
 
 
 def map_writable(name: str, nbytes: int) -> mmap.mmap:

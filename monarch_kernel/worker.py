@@ -168,10 +168,10 @@ class Worker(WorkerIO):
         SerializationError
             If ``content`` cannot be pickled.
         """
-        shm = "sender" if type == "reply" and self.controller_pid is not None else None
+        shm = "reply" if type == "reply" and self.controller_pid is not None else None
         with cuda_ipc(shm is not None):  # one receiver on this host: CUDA IPC handles
             # large buffers in pooled files, reused once the controller says shm_done
-            frames = self.codec.encode(type, content, parent, shm=shm, shm_out=[])
+            frames = self.codec.encode(type, content, parent, shm=shm)
         self._send_frames(frames)
 
     def _send_frames(self, frames: list[Any]) -> None:
@@ -500,6 +500,18 @@ def _sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (a restart, a launcher's stop): remove this process's shared-memory
+    files (the pools of replies and of RDMABuffer reads), then die of the signal."""
+    from . import shm
+
+    try:
+        shm.cleanup()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m monarch_kernel.worker``.
 
@@ -563,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                           log_fd=int(log_fd) if log_fd else None, passive=passive)
     logging.getLogger().handlers[0].setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
+    signal.signal(signal.SIGTERM, _sigterm)
     from . import display
 
     display.install()

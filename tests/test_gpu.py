@@ -376,6 +376,11 @@ def test_big_cuda_tensors_are_copies_by_either_route(monkeypatch, ipc):
             torch.cuda.empty_cache()
             torch.empty(n, device="cuda").fill_(-1.0)  # would take over freed memory
             assert f.get(timeout=T) == ("cuda:0", 6.0 * n)
+        for _ in range(3):  # a message is a snapshot: changes made after sending never show
+            t = torch.zeros(n, device="cuda")
+            f = a.slice(procs=1).bump.call_one(t)
+            t.add_(100.0)
+            assert f.get(timeout=T) == ("cuda:0", float(n))
         back = a.slice(procs=0).make.call_one(n).get(timeout=T)
         assert back.device.type == "cuda" and float(back.double().sum()) == 3.0 * n
         out, mine = a.slice(procs=0).pass_on.call_one(a.slice(procs=1), n).get(timeout=T)
@@ -399,6 +404,42 @@ def test_big_cuda_tensor_to_a_worker_without_a_gpu_is_refused_clearly(monkeypatc
         with pytest.raises(Exception, match="no such device") as ei:
             a.bump.call_one(torch.ones(4 * MiB, device="cuda")).get(timeout=T)
         assert ".cpu()" in str(ei.value)
+    finally:
+        m.stop()
+        _no_new_workers(before)
+
+
+def test_many_ipc_shares_of_one_tensor(record_property):
+    """An RDMABuffer of a long-lived CUDA tensor shares it once per read: 1,100
+    reads in a row all see the right bytes (torch keeps an event per share)."""
+    from monarch_kernel import RDMABuffer
+
+    class Owner(Actor):
+        @endpoint
+        def register(self, n: int) -> RDMABuffer:
+            self.t = torch.arange(n, dtype=torch.float32, device="cuda")
+            return RDMABuffer(self.t)
+
+    class Reader(Actor):
+        @endpoint
+        def read_many(self, buf: RDMABuffer, times: int) -> dict:
+            dst = torch.empty(buf.size() // 4, device="cuda")
+            bad = 0
+            t0 = time.perf_counter()
+            for _ in range(times):
+                dst.fill_(-1)
+                buf.read_into(dst).get(timeout=60)
+                bad += int(dst[-1].item() != dst.numel() - 1)
+            return {"bad": bad, "us_per_read": (time.perf_counter() - t0) / times * 1e6}
+
+    before = _workers()
+    m = spawn_procs(2, timeout=T, telemetry_interval=0)
+    try:
+        buf = m.slice(procs=0).spawn("owner", Owner).register.call_one(1 << 18).get(timeout=T)
+        got = m.slice(procs=1).spawn("reader", Reader).read_many.call_one(buf, 1100).get(
+            timeout=300)
+        record_property("ipc_reads", repr(got))
+        assert got["bad"] == 0, got
     finally:
         m.stop()
         _no_new_workers(before)

@@ -1,0 +1,158 @@
+"""Edge cases of the data plane found by review: pooled files that do not fit,
+mappings of removed files, restarts, oversized peer replies, handles of another
+mesh, in-band limits. Real worker processes, real shared memory."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from monarch_kernel import Actor, MeshError, RDMABuffer, endpoint, shm, spawn_procs
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+
+MiB = 1 << 20
+
+
+def _our_files() -> set[str]:
+    return {n for n in os.listdir(shm.DIRECTORY) if shm.NAME_RE.match(n)}
+
+
+class Edge(Actor):
+    def __init__(self) -> None:
+        self.kept: dict[str, object] = {}
+
+    @endpoint
+    def array(self, nbytes: int) -> np.ndarray:
+        return np.ones(nbytes // 4, np.float32)
+
+    @endpoint
+    def small_pool(self, nbytes: int) -> None:
+        from monarch_kernel import worker
+
+        worker.current.codec.pool.max_bytes = nbytes
+
+    @endpoint
+    def register(self, name: str, nbytes: int) -> RDMABuffer:
+        a = np.arange(nbytes // 8, dtype=np.int64)
+        self.kept[name] = a
+        return RDMABuffer(a)
+
+    @endpoint
+    def read(self, buf: RDMABuffer, route: str | None = None, limit: int | None = None) -> str:
+        from monarch_kernel import buffer_ops
+        from monarch_kernel.actor_peers import peer_host
+        from monarch_kernel.worker import current
+
+        real = buffer_ops._route
+        if route:
+            buffer_ops._route = lambda host, b: route
+        codec = peer_host(current).codec
+        old = codec.max_buffers
+        if limit:
+            codec.max_buffers = limit
+        try:
+            dst = np.zeros(buf.size() // 8, np.int64)
+            buf.read_into(dst).get(timeout=30)
+            return "ok" if (dst == np.arange(dst.size)).all() else "wrong bytes"
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            return f"{type(e).__name__}: {e}"
+        finally:
+            buffer_ops._route = real
+            codec.max_buffers = old
+
+    @endpoint
+    def huge(self) -> np.ndarray:
+        return np.zeros((1 << 30) + 8, np.uint8)  # never touched: no memory used
+
+    @endpoint
+    def ask_huge(self, other: object) -> str:
+        try:
+            other.huge.call_one().get(timeout=60)
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+@pytest.fixture
+def edges():
+    procs = spawn_procs(2)
+    try:
+        yield procs, procs.spawn("edge", Edge)
+    finally:
+        procs.stop()
+
+
+def test_replies_too_big_for_the_pool_leave_no_files(edges) -> None:
+    procs, e = edges
+    r0 = e.slice(procs=0)
+    r0.small_pool.call_one(10 * MiB).get(timeout=30)
+    before = _our_files()
+    r0.array.call_one(6 * MiB).get(timeout=30)  # pooled
+    for _ in range(4):  # do not fit next to it: the pool makes room, or a one-off file
+        assert r0.array.call_one(8 * MiB).get(timeout=30).sum() == 2 * MiB
+    assert len(_our_files() - before) <= 1
+
+
+def test_mappings_of_a_stopped_meshs_files_are_dropped() -> None:
+    procs = spawn_procs(1)
+    try:
+        e = procs.spawn("edge", Edge)
+        e.array.call_one(4 * MiB).get(timeout=30)
+        names = procs.controller.ranks[0].shm_files
+        assert names
+    finally:
+        procs.stop()
+    with open("/proc/self/maps") as f:
+        mapped = f.read()
+    assert not [n for n in names if n in mapped]
+
+
+def test_a_restarted_reader_leaves_no_lent_files(edges) -> None:
+    procs, e = edges
+    buf = e.slice(procs=0).register.call_one("a", 4 * MiB).get(timeout=30)
+    before = _our_files()
+    assert e.slice(procs=1).read.call_one(buf).get(timeout=30) == "ok"
+    lent = _our_files() - before
+    assert lent  # the reader's pooled file, kept for its next read
+    procs.restart([1], timeout=60)
+    assert not (lent & _our_files())
+
+
+def test_a_peer_reply_over_the_limit_is_an_error_and_the_actor_lives(edges) -> None:
+    _, e = edges
+    msg = e.slice(procs=0).ask_huge.call_one(e.slice(procs=1)).get(timeout=90)
+    assert "cannot be sent back" in msg and "limit" in msg, msg
+    assert e.slice(procs=1).ping.call_one().get(timeout=30) == "pong"
+
+
+def test_in_band_limit_is_a_clear_error(edges) -> None:
+    _, e = edges
+    buf = e.slice(procs=0).register.call_one("b", 4 * MiB).get(timeout=30)
+    msg = e.slice(procs=1).read.call_one(buf, "band", MiB).get(timeout=30)
+    assert msg.startswith("ValueError") and "in parts" in msg, msg
+    assert e.slice(procs=1).read.call_one(buf, "band").get(timeout=30) == "ok"
+
+
+def test_a_handle_of_another_mesh_is_refused_at_once(edges) -> None:
+    _, e = edges
+    buf = e.slice(procs=0).register.call_one("c", MiB).get(timeout=30)
+    other = spawn_procs(2)
+    try:
+        o = other.spawn("edge", Edge)
+        for r in (0, 1):  # rank 0 there is not the owner, rank 1 cannot reach it
+            msg = o.slice(procs=r).read.call_one(buf).get(timeout=30)
+            assert msg.startswith("MeshError") and "another mesh" in msg, msg
+    finally:
+        other.stop()
+
