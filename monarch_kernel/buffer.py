@@ -105,9 +105,9 @@ def _copy(dst: Any, src: Any) -> None:
     d = dst if dt else torch.from_numpy(dst)
     s = src if st else torch.from_numpy(src if src.flags.writeable else src.copy())
     d.copy_(s)
-    for t in (d, s):
+    for t in (d, s):  # the copy's streams only: never wait for, say, NCCL's work here
         if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
+            torch.cuda.current_stream(t.device).synchronize()
 
 
 def _host(address: str) -> str:

@@ -116,9 +116,11 @@ def _rebuild_cuda_ipc(args: tuple, device: str, requires_grad: bool):
     alias = rebuild_cuda_tensor(*args)  # the sender's memory (waits for its event)
     try:
         t = alias.to(target, copy=True)
-        torch.cuda.synchronize(t.device)  # copied before the sender may reuse its block
+        # copied before the sender may reuse its block (the copy's streams only: this
+        # may run in an I/O thread, which must never wait for, say, NCCL's work)
+        torch.cuda.current_stream(t.device).synchronize()
         if alias.device != t.device:
-            torch.cuda.synchronize(alias.device)
+            torch.cuda.current_stream(alias.device).synchronize()
     finally:
         del alias  # releases torch's IPC reference: the sender may free the block
     if requires_grad:

@@ -228,17 +228,7 @@ def open_buffer(name: str, nbytes: int, mode: str) -> memoryview:
         If the file is gone or smaller than ``nbytes``.
     """
     if mode == "p":
-        with _lock:
-            mm = _maps.pop(name, None)
-        if mm is None or len(mm) < nbytes:
-            fd = os.open(os.path.join(DIRECTORY, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                size = os.fstat(fd).st_size
-                if size < nbytes:
-                    raise OSError(f"shared-memory file {name} is smaller than {nbytes} bytes")
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
+        mm = _map_cached(_maps, name, nbytes, writable=False)
         try:
             import numpy as np  # its copy is several times faster than bytearray's
 
@@ -246,10 +236,7 @@ def open_buffer(name: str, nbytes: int, mode: str) -> memoryview:
             np.copyto(dst, np.frombuffer(mm, np.uint8, count=nbytes))
             return memoryview(dst)
         finally:
-            with _lock:
-                _maps[name] = mm
-                while len(_maps) > _MAX_MAPS:
-                    _maps.pop(next(iter(_maps))).close()
+            _keep_map(_maps, name, mm)
     unlink_after = mode == "1"
     path = os.path.join(DIRECTORY, name)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -296,22 +283,44 @@ def map_writable(name: str, nbytes: int) -> mmap.mmap:
     """
     if not NAME_RE.match(name):
         raise ValueError(f"bad shared-memory file name {name!r}")
-    with _lock:
-        mm = _wmaps.pop(name, None)
-    if mm is None or len(mm) < nbytes:
-        fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise OSError(f"shared-memory file {name} is smaller than {nbytes} bytes")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-    with _lock:
-        _wmaps[name] = mm
-        while len(_wmaps) > _MAX_MAPS:
-            _wmaps.pop(next(iter(_wmaps))).close()
+    mm = _map_cached(_wmaps, name, nbytes, writable=True)
+    _keep_map(_wmaps, name, mm)
     return mm
+
+
+def _map_cached(cache: dict[str, mmap.mmap], name: str, nbytes: int,
+                writable: bool) -> mmap.mmap:
+    """``cache``'s shared mapping of file ``name`` (taken out of it; the caller
+    puts it back with :func:`_keep_map`), or a new one of the whole file.
+
+    Raises
+    ------
+    OSError
+        If the file is gone or smaller than ``nbytes``.
+    """
+    with _lock:
+        mm = cache.pop(name, None)
+    if mm is not None and len(mm) >= nbytes:
+        return mm
+    fd = os.open(os.path.join(DIRECTORY, name),
+                 (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise OSError(f"shared-memory file {name} is smaller than {nbytes} bytes")
+        if writable:
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _keep_map(cache: dict[str, mmap.mmap], name: str, mm: mmap.mmap) -> None:
+    """Put a mapping (back) into ``cache``, forgetting the least recently used."""
+    with _lock:
+        cache[name] = mm
+        while len(cache) > _MAX_MAPS:
+            cache.pop(next(iter(cache))).close()
 
 
 #: the most bytes of receive buffers a process keeps for reuse (see the module docstring)
