@@ -52,13 +52,23 @@ IPC_MIN_BYTES = 1 << 20
 _ipc = threading.local()
 
 
+def cuda_ipc(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """A context: while active (in this thread), values pickled go to one process
+    on this host, so large CUDA tensors may travel as CUDA IPC handles (see the
+    module docstring). Nothing to do (a shared no-op context, on the hot path of
+    every call) when ``on`` is False or torch is not loaded."""
+    if not on or "torch" not in sys.modules or os.environ.get("MONARCH_CUDA_IPC") == "0":
+        return _NO_IPC
+    return _ipc_on()
+
+
+_NO_IPC = contextlib.nullcontext()
+
+
 @contextlib.contextmanager
-def cuda_ipc(on: bool = True) -> Iterator[None]:
-    """While active (in this thread), values pickled go to one process on this
-    host, so large CUDA tensors may travel as CUDA IPC handles (see the module
-    docstring)."""
+def _ipc_on() -> Iterator[None]:
     prev = getattr(_ipc, "on", False)
-    _ipc.on = on and os.environ.get("MONARCH_CUDA_IPC", "1") != "0"
+    _ipc.on = True
     try:
         yield
     finally:
