@@ -393,7 +393,7 @@ class ActorMesh(Generic[A]):
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
                                       resume=ctl.resume_io)
         else:
-            fut = Future(guard=_wait_guard(rec, ranks, req, self._peers))
+            fut = Future(guard=actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers))
 
         def done(q: Request, pinned: tuple = (args, kwargs)) -> None:
             # ``pinned``: handles (tensors.Ref) among the arguments stay alive, so their
@@ -534,7 +534,8 @@ class Endpoint:
             for p in pumps:
                 p(final)
 
-        guard = _any_of_guard(inner) if any(f._guard is not None for f in inner) else None
+        guard = (actor_cycles.any_of_guard(inner)
+                 if any(f._guard is not None for f in inner) else None)
         slots: list[Future[Any]] = [Future(pump=pump if pumps else None, guard=guard)
                                     for _ in inner]
         counter = itertools.count()
@@ -545,61 +546,6 @@ class Endpoint:
         for f in inner:
             f.add_done_callback(arrived)
         return iter(slots)
-
-
-def _wait_guard(rec: _Record, ranks: list[int], req: Request,
-                peers: dict[int, str]) -> Callable[[], Any]:
-    """The guard of the future of a call made on a worker (see :class:`Future`).
-
-    On an actor's thread (the actor cannot handle other messages while it
-    waits): a wait for a call to that actor itself raises at once; any other
-    wait is watched for wait cycles (:mod:`monarch_kernel.actor_cycles`).
-    """
-
-    def guard() -> Callable[[bool], None] | None:
-        inst = getattr(context, "actor", None)  # the waiting thread's actor
-        if inst is None:
-            return None
-        if inst.uid == rec.uid and inst.point.rank in ranks:
-            raise WaitCycleError(
-                f"actor {rec.name!r} on rank {inst.point.rank} waits for a call to its own "
-                "endpoint, which cannot run until the current one returns (one message at a "
-                "time); call the method directly (self.method(...)) or use broadcast()"
-            )
-        return actor_cycles.watcher(inst, req, rec.name, ranks, peers)
-
-    return guard
-
-
-def _any_of_guard(inner: list[Future[Any]]) -> Callable[[], Any]:
-    """The guard of a ``stream``'s futures: the wait ends when any pending call
-    is done, so it raises only when none of them can be (each is a call to the
-    waiting actor itself), and it watches each of them."""
-
-    def guard() -> Callable[[bool], None] | None:
-        pending = [f for f in inner if not f.done()]
-        watches: list[Callable[[bool], None]] = []
-        refused: list[RuntimeError] = []
-        for f in pending:
-            try:
-                w = f._guard() if f._guard is not None else None
-            except RuntimeError as e:
-                refused.append(e)
-                continue
-            if w is not None:
-                watches.append(w)
-        if pending and len(refused) == len(pending):
-            raise refused[0]
-        if not watches:
-            return None
-
-        def watch(on: bool) -> None:
-            for w in watches:
-                w(on)
-
-        return watch
-
-    return guard
 
 
 def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,

@@ -16,7 +16,7 @@ The call that closes the cycle (a queued one) is answered at once with a
 Its caller's ``get()`` raises that error and, unless it is caught, so does
 every call of the cycle in turn: the chain unwinds instead of hanging. (A
 wait for a call to the waiting actor itself is refused before it starts:
-``actor._wait_guard``.)
+``call_guard``.)
 
 How they are found. Calls from the controller take no part and pay
 nothing; a call an actor makes carries one more key, and a wait that ends
@@ -61,7 +61,8 @@ from .future import WATCH_AFTER_S  # an actor's thread tells a call's ranks afte
 
 log = logging.getLogger("monarch_kernel.actor")
 
-__all__ = ["MAX_ENTRIES", "WATCH_AFTER_S", "WaitCycleError", "on_notice", "watcher"]
+__all__ = ["MAX_ENTRIES", "WATCH_AFTER_S", "WaitCycleError", "any_of_guard", "call_guard", "on_notice",
+           "watcher"]
 
 #: entries in one wait notice, at most
 MAX_ENTRIES = 256
@@ -318,3 +319,61 @@ def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
     for _rank, addr in w.targets:
         if addr not in host.dead:
             host.outbox.send([b"d", addr.encode(), *frames])
+
+
+def call_guard(uid: str, name: str, ranks: list[int], req: Any,
+               peers: dict[int, str]) -> Callable[[], Any]:
+    """The guard of the future of a call to actor mesh ``name`` (``uid``) made
+    on a worker (see :class:`~monarch_kernel.future.Future`).
+
+    On an actor's thread (the actor cannot handle other messages while it
+    waits): a wait for a call to that actor itself raises at once; any other
+    wait is watched for wait cycles (:mod:`monarch_kernel.actor_cycles`).
+    """
+
+    def guard() -> Callable[[bool], None] | None:
+        from .actor_host import context  # (that module imports this one)
+
+        inst = getattr(context, "actor", None)  # the waiting thread's actor
+        if inst is None:
+            return None
+        if inst.uid == uid and inst.point.rank in ranks:
+            raise WaitCycleError(
+                f"actor {name!r} on rank {inst.point.rank} waits for a call to its own "
+                "endpoint, which cannot run until the current one returns (one message at a "
+                "time); call the method directly (self.method(...)) or use broadcast()"
+            )
+        return watcher(inst, req, name, ranks, peers)
+
+    return guard
+
+
+def any_of_guard(inner: list[Any]) -> Callable[[], Any]:
+    """The guard of a ``stream``'s futures: the wait ends when any pending call
+    is done, so it raises only when none of them can be (each is a call to the
+    waiting actor itself), and it watches each of them."""
+
+    def guard() -> Callable[[bool], None] | None:
+        pending = [f for f in inner if not f.done()]
+        watches: list[Callable[[bool], None]] = []
+        refused: list[RuntimeError] = []
+        for f in pending:
+            try:
+                w = f._guard() if f._guard is not None else None
+            except RuntimeError as e:
+                refused.append(e)
+                continue
+            if w is not None:
+                watches.append(w)
+        if pending and len(refused) == len(pending):
+            raise refused[0]
+        if not watches:
+            return None
+
+        def watch(on: bool) -> None:
+            for w in watches:
+                w(on)
+
+        return watch
+
+    return guard
