@@ -18,9 +18,11 @@ when the reply arrives, and completes the operation's future.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 from . import shm as _shm
@@ -53,16 +55,16 @@ def _route(host: Any, buf: Any) -> str:
 class _Op:
     """One operation in flight (reader side)."""
 
-    __slots__ = ("buf", "future", "lease", "lock", "n", "op", "route", "state", "timed_out",
-                 "timer", "view")
+    __slots__ = ("buf", "deadline", "future", "lease", "lock", "n", "op", "route", "state",
+                 "timed_out", "view")
 
     def __init__(self, buf: Any, op: str, view: Any, route: str) -> None:
         self.buf, self.op, self.view, self.route = buf, op, view, route
         self.n = _nbytes(view) if view is not None else 0
         self.future: Future[Any] = Future()
         self.lease: tuple[str, Any] | None = None
-        self.timer: threading.Timer | None = None
         self.timed_out = False
+        self.deadline: list[Any] | None = None  # its entry in _deadlines
         # "pending" until the reply is acted on ("copying"), or the timer fires first
         # ("expired"): a copy into dst never starts after a TimeoutError was reported
         self.state = "pending"
@@ -77,9 +79,7 @@ def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> F
     host = peer_host(worker)
     o = _Op(buf, op, view, _route(host, buf) if op != "drop" else "band")
     if timeout is not None:
-        o.timer = threading.Timer(timeout, _expire, (host, o, timeout))
-        o.timer.daemon = True
-        o.timer.start()
+        o.deadline = _deadlines.add(timeout, lambda: _expire(host, o, timeout))
     _send(host, o)
     return o.future
 
@@ -194,8 +194,8 @@ def _ipc_copy(o: _Op, args: tuple) -> None:
 
 
 def _done(o: _Op, error: BaseException | None, value: Any = None) -> None:
-    if o.timer is not None:
-        o.timer.cancel()
+    if o.deadline is not None:
+        _deadlines.cancel(o.deadline)
     _release(o)
     o.view = None
     if error is not None:
@@ -208,6 +208,65 @@ def _release(o: _Op) -> None:
     lease, o.lease = o.lease, None
     if lease is not None:  # a timed-out owner may still write into it: never reuse it
         _pool.release(lease[0], discard=o.timed_out)
+
+
+class _Deadlines:
+    """One thread that runs callbacks when their deadlines pass (a
+    ``threading.Timer`` per operation would start a thread each time: about
+    0.1 ms, as much as a small read). Operations that finish first cancel
+    theirs; cancelled entries are dropped when they come up, or all at once
+    when they are most of the heap."""
+
+    def __init__(self) -> None:
+        self._heap: list[list[Any]] = []  # [deadline, seq, callback or None]
+        self._cancelled = 0
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, delay: float, fn: Any) -> list[Any]:
+        """Run ``fn()`` in ``delay`` seconds; returns the entry for :meth:`cancel`."""
+        with self._cond:
+            self._seq += 1
+            entry = [time.monotonic() + delay, self._seq, fn]
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="monarch-rdma-timeouts",
+                                                daemon=True)
+                self._thread.start()
+            elif self._heap[0] is entry:  # the new earliest: wake the thread
+                self._cond.notify()
+        return entry
+
+    def cancel(self, entry: list[Any]) -> None:
+        with self._cond:
+            if entry[2] is None:
+                return
+            entry[2] = None
+            self._cancelled += 1
+            if self._cancelled > 1024 and self._cancelled * 2 > len(self._heap):
+                self._heap = [e for e in self._heap if e[2] is not None]
+                heapq.heapify(self._heap)
+                self._cancelled = 0
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap
+                                    else self._heap[0][0] - time.monotonic())
+                entry = heapq.heappop(self._heap)
+                fn, entry[2] = entry[2], None
+                if fn is None:
+                    self._cancelled = max(0, self._cancelled - 1)
+                    continue
+            try:
+                fn()
+            except Exception:
+                log.exception("an RDMABuffer timeout callback failed")
+
+
+_deadlines = _Deadlines()
 
 
 def _expire(host: Any, o: _Op, timeout: float) -> None:

@@ -156,3 +156,23 @@ def test_a_handle_of_another_mesh_is_refused_at_once(edges) -> None:
     finally:
         other.stop()
 
+
+
+def test_deadlines_fire_once_and_cancelled_ones_never() -> None:
+    """The one timeout thread of RDMABuffer operations (no thread per operation)."""
+    import threading
+    import time
+
+    from monarch_kernel.buffer_ops import _Deadlines
+
+    d = _Deadlines()
+    fired: list[int] = []
+    done = threading.Event()
+    entries = [d.add(0.05, lambda i=i: fired.append(i)) for i in range(3000)]
+    for e in entries[1:]:  # most finish first: the heap is compacted, not left to grow
+        d.cancel(e)
+    assert len(d._heap) < 2000
+    d.add(0.1, done.set)
+    assert done.wait(10)
+    time.sleep(0.05)
+    assert fired == [0]
