@@ -326,12 +326,15 @@ class ActorMesh(Generic[A]):
                 raise MeshFailure(f"actor {rec.name!r} on rank {r} {cause}", rank=r)
         handles = pickled_count() if oneway else 0
         payload = _EMPTY
-        if args or kwargs:  # to one process on this host, big CUDA tensors go by IPC handle
-            one_here = (not oneway and len(ranks) == 1 and "torch" in sys.modules
-                        and self._on_this_host(ranks[0]))
+        # to one other process on this host, big CUDA tensors go by IPC handle (both ways)
+        one_here = (not oneway and len(ranks) == 1 and "torch" in sys.modules
+                    and self._on_this_host(ranks[0]))
+        if args or kwargs:
             with cuda_ipc(one_here):
                 payload = Packed.pack((args, kwargs))
         content: dict[str, Any] = {"a": rec.name, "m": method, "u": rec.uid, "p": payload}
+        if one_here and _current_worker() is not None:
+            content["i"] = 1  # a worker calls: its reply may hold IPC handles too
         if oneway:
             content["o"] = True
             if pickled_count() != handles:

@@ -288,7 +288,8 @@ class _ActorInstance:
 
                 value = keep(c["k"], value)
             try:  # to the controller on this host: big CUDA tensors go by IPC handle
-                with cuda_ipc(route is None and not c.get("o") and w.controller_pid is not None):
+                with cuda_ipc(not c.get("o") and (c.get("i") if route is not None
+                                                  else w.controller_pid is not None)):
                     status, out = "ok", Packed.pack(value)
             except SerializationError as e:
                 status, out = "error", _failure(w, e, with_traceback=False)

@@ -346,6 +346,11 @@ class Ipc(Actor):
         return torch.full((n,), 3.0, device="cuda")  # dropped here at once after sending
 
     @endpoint
+    def fetch_from(self, other: object, n: int) -> tuple:
+        t = other.make.call_one(n).get(timeout=60)
+        return str(t.device), float(t.double().sum())
+
+    @endpoint
     def pass_on(self, other: object, n: int) -> tuple:
         t = torch.full((n,), 2.0, device="cuda")
         out = other.bump.call_one(t).get(timeout=60)
@@ -385,6 +390,8 @@ def test_big_cuda_tensors_are_copies_by_either_route(monkeypatch, ipc):
         assert back.device.type == "cuda" and float(back.double().sum()) == 3.0 * n
         out, mine = a.slice(procs=0).pass_on.call_one(a.slice(procs=1), n).get(timeout=T)
         assert out == ("cuda:0", 3.0 * n) and mine == 2.0 * n  # worker to worker
+        got = a.slice(procs=0).fetch_from.call_one(a.slice(procs=1), n).get(timeout=T)
+        assert got == ("cuda:0", 3.0 * n)  # a worker-to-worker result
         # a broadcast call (several receivers) is staged: still right everywhere
         every = a.bump.call(torch.ones(n, device="cuda")).get(timeout=T).values()
         assert every == [("cuda:0", 2.0 * n)] * 2
