@@ -138,9 +138,14 @@ class ProcMesh:
         if not show_output(req, timeout):
             raise TimeoutError(f"no answer from ranks {req.ranks} within {timeout} s")
         if req.failure is not None:  # fail fast: stop what the other ranks still run
-            from .supervision import abort_survivors
+            from .output import RankPrinter, write_stream
+            from .supervision import stop_survivors
 
-            abort_survivors(self, [r for r in req.ranks if r not in req.replies])
+            printer = RankPrinter(write_stream)
+            try:
+                stop_survivors(self, req, lambda ev: _print_event(printer, ev))
+            finally:
+                printer.close()
         raise_failures(req)
         shape = self._shape_for(req.ranks if ranks is None else ranks)
         return ValueMesh(shape, [req.replies[r][1] for r in shape.ranks])
@@ -325,14 +330,18 @@ def show_output(req: Request, timeout: float | None = None) -> bool:
                 if deadline is not None and time.monotonic() > deadline:
                     return False
                 continue
-            if ev[0] == "stream":
-                printer.feed(ev[1], ev[2], ev[3])
-            elif ev[0] == "display":
-                text = ev[2].get("data", {}).get("text/plain")
-                if text:
-                    printer.feed(ev[1], "stdout", text + "\n")
+            _print_event(printer, ev)
     finally:
         printer.close()
+
+
+def _print_event(printer: Any, ev: tuple) -> None:
+    if ev[0] == "stream":
+        printer.feed(ev[1], ev[2], ev[3])
+    elif ev[0] == "display":
+        text = ev[2].get("data", {}).get("text/plain")
+        if text:
+            printer.feed(ev[1], "stdout", text + "\n")
 
 
 def raise_failures(req: Request, actor: str | None = None) -> None:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_kernel.supervision")
 
-__all__ = ["RESTART_POLICIES", "Supervisor", "abort_survivors", "restart_ranks"]
+__all__ = ["RESTART_POLICIES", "Supervisor", "abort_survivors", "restart_ranks",
+           "stop_survivors"]
 
 RESTART_POLICIES = ("never", "on-failure")
 
@@ -113,6 +114,29 @@ def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
 
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def stop_survivors(mesh: ProcMesh, req: Any, on_event: Any, grace: float = 2.0) -> None:
+    """After a rank of request ``req`` died: interrupt its ranks that still run
+    (:func:`abort_survivors`) and hand their events (what they print) to
+    ``on_event`` until they have stopped, at most ``grace`` seconds, so output
+    they wrote just before is not lost with the failed request."""
+    ctl = mesh.root.controller
+
+    def running() -> list[int]:
+        return [r for r in req.ranks if r not in req.replies
+                and ctl.ranks[r].state not in ("dead", "stopped")]
+
+    abort_survivors(mesh, running())
+    deadline = time.monotonic() + grace
+    while running() and time.monotonic() < deadline:
+        ev = req.next_event(0)  # (a failed request is done: no waiting; the I/O thread reads)
+        if ev is None:
+            time.sleep(0.01)
+        else:
+            on_event(ev)
+    while (ev := req.next_event(0)) is not None:  # what came with their replies
+        on_event(ev)
 
 
 def abort_survivors(mesh: ProcMesh, ranks: list[int], grace: float = 3.0) -> None:

@@ -63,6 +63,44 @@ def test_rank_death_fails_the_cell_fast_with_details(ks, how, expect):
     assert "14" in r.result_text()
 
 
+LATE = textwrap.dedent("""\
+    import os, signal, time
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(3)
+    # this rank writes its line after rank 1 died, and cannot be interrupted before
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    time.sleep(1.0)
+    print(f"late line of rank {rank}", flush=True)
+    signal.signal(signal.SIGINT, previous)
+    time.sleep(0.3)
+    """)
+
+
+def test_survivors_output_after_a_death_is_shown(ks):
+    """What the other ranks print after a rank died, until they are interrupted,
+    still reaches the failed cell."""
+    spawn(ks)
+    r, took = timed(ks, "%%mesh\n" + LATE)
+    assert r.status == "error" and "exited with code 3" in r.error_text()
+    out = r.stream()
+    assert "late line of rank 0" in out and "late line of rank 2" in out, out
+    assert took < 10
+
+
+def test_survivors_output_after_a_death_is_shown_in_scripts(capfd):
+    from monarch_kernel import MeshFailure, spawn_procs
+
+    procs = spawn_procs(3)
+    try:
+        with pytest.raises(MeshFailure, match="exited with code 3"):
+            procs.exec(LATE, timeout=60)
+    finally:
+        procs.stop()
+    out = capfd.readouterr().out
+    assert "late line of rank 0" in out and "late line of rank 2" in out, out
+
+
 def test_output_written_just_before_death_is_not_lost(ks):
     spawn(ks, "2")
     r = ks.execute("%%mesh --ranks 1\nimport os, sys\nfor i in range(200):\n"

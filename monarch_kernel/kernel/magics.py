@@ -388,38 +388,11 @@ class MeshMagics(Magics):
         bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
         self._wait(m, req, a.timeout)
-        if req.failure is not None:  # a rank died: stop the others, keep what they print
-            self._stop_survivors(m, req)
         report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
-        vm = m.collect(req, ranks)
+        vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
             return None
         return vm
-
-    def _stop_survivors(self, m: ProcMesh, req: Request, grace: float = 2.0) -> None:
-        """Interrupt the ranks of a failed cell that still run, and show what they
-        print until they have stopped (at most ``grace`` seconds): output they
-        wrote just before, or just after, the other rank died is kept."""
-        from ..supervision import abort_survivors
-
-        ctl = m.controller
-
-        def running() -> list[int]:
-            return [r for r in req.ranks if r not in req.replies
-                    and ctl.ranks[r].state not in ("dead", "stopped")]
-
-        abort_survivors(m, running())
-        printer = RankPrinter(write_stream, on_progress=self._progress)
-        deadline = time.monotonic() + grace
-        while running() and time.monotonic() < deadline:
-            ev = req.next_event(0)  # (done: it does not wait; the I/O thread reads)
-            if ev is None:
-                time.sleep(0.01)
-            else:
-                self._event(ev, printer)
-        while (ev := req.next_event(0)) is not None:  # what came with their replies
-            self._event(ev, printer)
-        printer.close()
 
     def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
