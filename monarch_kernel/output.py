@@ -30,11 +30,17 @@ def write_stream(name: str, text: str) -> None:
 class BackgroundOutput:
     """Where output that belongs to no request goes: what a ``broadcast``
     endpoint or a rank's background thread prints while nothing waits for
-    that rank. Written at once (any thread), each line tagged with its rank.
+    that rank. Written as whole lines (any thread), each tagged with its rank.
 
     In a kernel it lands where ipykernel puts any thread's output: the cell
     that runs, else the latest one (the ``Controller``'s ``on_output``; set
     by ``%mesh spawn``).
+
+    A rank's chunks are joined into lines first: ``print("a", x)`` reaches
+    the controller as several chunks, and two ranks printing at once must
+    not interleave inside a line. A line still unfinished after
+    :data:`PARTIAL_S` is written as it is (a prompt, a progress dot); its
+    continuation then goes on without a second tag.
 
     Parameters
     ----------
@@ -42,24 +48,42 @@ class BackgroundOutput:
         Default :func:`write_stream`.
     """
 
+    #: seconds an unfinished line waits for the rest of it
+    PARTIAL_S = 0.1
+
     def __init__(self, write: Callable[[str, str], None] = write_stream) -> None:
         self._write = write
         self._lock = threading.Lock()
-        self._midline: set[tuple[int, str]] = set()  # (rank, stream) inside a line
+        self._partial: dict[tuple[int, str], str] = {}  # (rank, stream) -> unfinished line
+        self._midline: set[tuple[int, str]] = set()  # its beginning was written already
+        self._timer: threading.Timer | None = None
 
     def __call__(self, rank: int, name: str, text: str) -> None:
+        key = (rank, name)
         with self._lock:
-            key, out = (rank, name), []
-            for piece in text.splitlines(keepends=True):
-                if key not in self._midline:
-                    out.append(f"[{rank}] ")
-                out.append(piece)
-                if piece.endswith(("\n", "\r")):
-                    self._midline.discard(key)
-                else:
-                    self._midline.add(key)
+            pieces = (self._partial.pop(key, "") + text).splitlines(keepends=True)
+            out = []
+            for piece in pieces:
+                if not piece.endswith(("\n", "\r")):  # the unfinished end: wait for the rest
+                    self._partial[key] = piece
+                    break
+                out.append(piece if key in self._midline else f"[{rank}] {piece}")
+                self._midline.discard(key)
             if out:
                 self._write(name, "".join(out))
+            if self._partial and self._timer is None:
+                self._timer = threading.Timer(self.PARTIAL_S, self._flush_partial)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush_partial(self) -> None:
+        """Write the lines still unfinished (the timer's thread)."""
+        with self._lock:
+            self._timer = None
+            partial, self._partial = self._partial, {}
+            for (rank, name), piece in partial.items():
+                self._write(name, piece if (rank, name) in self._midline else f"[{rank}] {piece}")
+                self._midline.add((rank, name))
 
 
 class RankPrinter:
