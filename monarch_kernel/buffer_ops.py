@@ -244,17 +244,31 @@ class _Deadlines:
                 return
             entry[2] = None
             self._cancelled += 1
+            if self._heap and self._heap[0] is entry:  # the thread waits for it: wake it
+                self._cond.notify()
             if self._cancelled > 1024 and self._cancelled * 2 > len(self._heap):
                 self._heap = [e for e in self._heap if e[2] is not None]
                 heapq.heapify(self._heap)
                 self._cancelled = 0
 
+    #: seconds the thread waits with nothing to do before it ends (add starts a new one)
+    IDLE_S = 30.0
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    self._cond.wait(None if not self._heap
-                                    else self._heap[0][0] - time.monotonic())
+                while True:
+                    while self._heap and self._heap[0][2] is None:  # cancelled: drop it
+                        heapq.heappop(self._heap)
+                        self._cancelled = max(0, self._cancelled - 1)
+                    if self._heap and self._heap[0][0] <= time.monotonic():
+                        break
+                    if not self._heap:
+                        if not self._cond.wait(self.IDLE_S) and not self._heap:
+                            self._thread = None  # idle: end (under the lock add takes)
+                            return
+                        continue
+                    self._cond.wait(self._heap[0][0] - time.monotonic())
                 entry = heapq.heappop(self._heap)
                 fn, entry[2] = entry[2], None
                 if fn is None:

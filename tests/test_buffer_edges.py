@@ -166,6 +166,7 @@ def test_deadlines_fire_once_and_cancelled_ones_never() -> None:
     from monarch_kernel.buffer_ops import _Deadlines
 
     d = _Deadlines()
+    d.IDLE_S = 0.2  # (its thread ends once idle: none is left behind)
     fired: list[int] = []
     done = threading.Event()
     # the first is left to fire; the others (due long after) are cancelled first, as
@@ -179,3 +180,7 @@ def test_deadlines_fire_once_and_cancelled_ones_never() -> None:
     assert done.wait(10)
     time.sleep(0.05)
     assert fired == [0]
+    deadline = time.monotonic() + 10
+    while d._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d._thread is None
