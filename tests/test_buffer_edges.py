@@ -11,7 +11,7 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from monarch_kernel import Actor, MeshError, RDMABuffer, endpoint, shm, spawn_procs
+from monarch_kernel import Actor, RDMABuffer, endpoint, shm, spawn_procs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -94,7 +94,7 @@ def edges():
 
 
 def test_replies_too_big_for_the_pool_leave_no_files(edges) -> None:
-    procs, e = edges
+    _, e = edges
     r0 = e.slice(procs=0)
     r0.small_pool.call_one(10 * MiB).get(timeout=30)
     before = _our_files()
