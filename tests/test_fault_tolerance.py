@@ -44,6 +44,7 @@ def test_rank_death_fails_the_cell_fast_with_details(ks, how, expect):
         for i in range(3):
             print(f'line {{i}} of rank {{rank}}')
         if rank == 1:
+            time.sleep(0.5)  # the others have printed (else their interrupt may come first)
             {how}
         time.sleep(20)
         """)
