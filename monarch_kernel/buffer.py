@@ -31,6 +31,8 @@ when the data is ready (an endpoint call does).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import secrets
 import sys
 import threading
@@ -108,10 +110,6 @@ def _copy(dst: Any, src: Any) -> None:
     for t in (d, s):  # the copy's streams only: never wait for, say, NCCL's work here
         if t.device.type == "cuda":
             torch.cuda.current_stream(t.device).synchronize()
-
-
-def _host(address: str) -> str:
-    return address.split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]
 
 
 class RDMABuffer:
@@ -256,8 +254,7 @@ class RDMABuffer:
         """
         w = self._worker_of_mesh()
         if self._is_owner(w):
-            with _lock:
-                _registry.pop(self._id, None)
+            unregister(self._id)
             return Future.completed(None)
         return self._start("drop", None, None)
 
@@ -310,11 +307,20 @@ def _rebuild(bid: str, rank: int, address: str, nbytes: int, device: str,
     return b
 
 
+def unregister(bid: str) -> None:
+    """Forget buffer ``bid`` here (its owner's ``drop``); no error if unknown."""
+    with _lock:
+        _registry.pop(bid, None)
+
+
 def _fingerprint(w: Any) -> str:
     """Names the mesh of worker ``w`` (from its key; the key itself never travels)."""
-    import hashlib
+    return _key_fingerprint(w.codec._key)
 
-    return hashlib.sha256(b"monarch-rdma-buffer:" + w.codec._key).hexdigest()[:16]
+
+@functools.lru_cache(maxsize=8)
+def _key_fingerprint(key: bytes) -> str:  # (once per mesh key, not per operation)
+    return hashlib.sha256(b"monarch-rdma-buffer:" + key).hexdigest()[:16]
 
 
 def registered(bid: str) -> bool:

@@ -26,7 +26,8 @@ import time
 from typing import Any
 
 from . import shm as _shm
-from .buffer import _byte_view, _copy, _host, _is_cuda, _lookup, _nbytes
+from .actor_peers import _addr_host
+from .buffer import _byte_view, _copy, _is_cuda, _lookup, _nbytes, unregister
 from .errors import MeshError
 from .future import Future
 
@@ -42,7 +43,7 @@ _ipc_refused = False
 
 
 def _route(host: Any, buf: Any) -> str:
-    same = _host(host.address) == _host(buf._address)
+    same = _addr_host(host.address) == _addr_host(buf._address)
     if same and buf._device.startswith("cuda") and not _ipc_refused:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
@@ -56,14 +57,13 @@ class _Op:
     """One operation in flight (reader side)."""
 
     __slots__ = ("buf", "deadline", "future", "lease", "lock", "n", "op", "route", "state",
-                 "timed_out", "view")
+                 "view")
 
     def __init__(self, buf: Any, op: str, view: Any, route: str) -> None:
         self.buf, self.op, self.view, self.route = buf, op, view, route
         self.n = _nbytes(view) if view is not None else 0
         self.future: Future[Any] = Future()
         self.lease: tuple[str, Any] | None = None
-        self.timed_out = False
         self.deadline: list[Any] | None = None  # its entry in _deadlines
         # "pending" until the reply is acted on ("copying"), or the timer fires first
         # ("expired"): a copy into dst never starts after a TimeoutError was reported
@@ -79,14 +79,14 @@ def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> F
     host = peer_host(worker)
     o = _Op(buf, op, view, _route(host, buf) if op != "drop" else "band")
     if timeout is not None:
-        o.deadline = _deadlines.add(timeout, lambda: _expire(host, o, timeout))
+        o.deadline = _deadlines.add(timeout, lambda: _expire(o, timeout))
     _send(host, o)
     return o.future
 
 
 def _send(host: Any, o: _Op) -> None:
     buf = o.buf
-    routes[o.route] = routes.get(o.route, 0) + 1
+    routes[o.route] += 1
     content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
     try:
         if o.route == "shm" and o.op != "drop":
@@ -207,7 +207,7 @@ def _done(o: _Op, error: BaseException | None, value: Any = None) -> None:
 def _release(o: _Op) -> None:
     lease, o.lease = o.lease, None
     if lease is not None:  # a timed-out owner may still write into it: never reuse it
-        _pool.release(lease[0], discard=o.timed_out)
+        _pool.release(lease[0], discard=o.state == "expired")
 
 
 class _Deadlines:
@@ -283,12 +283,11 @@ class _Deadlines:
 _deadlines = _Deadlines()
 
 
-def _expire(host: Any, o: _Op, timeout: float) -> None:
+def _expire(o: _Op, timeout: float) -> None:
     with o.lock:
         if o.state != "pending":  # the reply is being acted on: it will complete
             return
         o.state = "expired"
-    o.timed_out = True
     o.future.set_exception(TimeoutError(
         f"RDMABuffer {o.op} of {o.n} bytes: rank {o.buf._rank} did not answer within "
         f"{timeout:g} s (pass a larger timeout=, or check the rank with %mesh status)"))
@@ -329,10 +328,7 @@ _ERRORS: dict[str, type[Exception]] = {
 def _serve(c: dict[str, Any], rank: int) -> Any:
     op, route = c["op"], c.get("m")
     if op == "drop":
-        from .buffer import _lock, _registry
-
-        with _lock:
-            _registry.pop(c["id"], None)
+        unregister(c["id"])
         return None
     if op not in ("read", "write"):
         raise ValueError(f"unknown buffer operation {op!r}")
