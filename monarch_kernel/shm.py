@@ -377,8 +377,22 @@ def unlink(name: str) -> None:
 
 @atexit.register
 def cleanup() -> None:
-    """Remove every shared-memory file this process created and still owns."""
-    for name in list(_created):
-        unlink(name)
+    """Remove every shared-memory file this process created and still owns.
+
+    Takes no lock, so a signal handler may call it (the code it interrupted
+    may hold :data:`_lock`); it runs only as the process ends.
+    """
+    names: list[str] = []
+    for _ in range(3):
+        try:
+            names = list(_created)
+            break
+        except RuntimeError:  # the set changed meanwhile (another thread): again
+            continue
+    for name in names:
+        try:
+            os.unlink(os.path.join(DIRECTORY, name))
+        except OSError:
+            pass
 
 

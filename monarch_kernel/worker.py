@@ -505,18 +505,8 @@ def _sigterm(signum: int, frame: Any) -> None:
     files (the pools of replies and of RDMABuffer reads), then die of the signal."""
     from . import shm
 
-    try:  # without shm's lock: the interrupted code may hold it
-        for _ in range(3):
-            try:
-                names = list(shm._created)
-                break
-            except RuntimeError:  # the set changed meanwhile (another thread): again
-                names = []
-        for name in names:
-            try:
-                os.unlink(os.path.join(shm.DIRECTORY, name))
-            except OSError:
-                pass
+    try:
+        shm.cleanup()  # (takes no lock: the interrupted code may hold shm's)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
