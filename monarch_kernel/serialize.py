@@ -20,8 +20,8 @@ goes as a CUDA IPC handle of a device copy made at send time (a snapshot,
 like staged bytes: ``torch.multiprocessing``'s reduction; the receiver maps
 that copy, copies it device to device into memory of its own and lets go;
 torch's IPC reference count keeps the sender's copy until then, and its
-event orders the receiver's copy after the sender's). Otherwise it is staged through host memory. ``MONARCH_CUDA_IPC=0``
-turns the IPC route off.
+event orders the receiver's copy after the sender's). Otherwise it is
+staged through host memory. ``MONARCH_CUDA_IPC=0`` turns the IPC route off.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _ipc_on() -> Iterator[None]:
 
 
 def _target_device(torch: Any, device: str) -> str:
-    """Where a tensor that lived on ``device`` (``cuda[:i]``) lands here."""
-    if not torch.cuda.is_available():
+    """Where a tensor that lived on ``device`` (not the CPU) lands here."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
         raise SerializationError(
             f"received a tensor that lived on {device!r}, but this process has no such "
             "device; move it to the CPU first (tensor.cpu()) if that is what you want"
@@ -101,11 +101,6 @@ def _rebuild_tensor(
     if raw:
         t = t.view(dtype).reshape(shape)
     if device != "cpu":
-        if not device.startswith("cuda"):
-            raise SerializationError(
-                f"received a tensor that lived on {device!r}, but this process has no such "
-                "device; move it to the CPU first (tensor.cpu()) if that is what you want"
-            )
         t = t.to(_target_device(torch, device), non_blocking=False)
     if requires_grad:
         t.requires_grad_(True)
