@@ -333,14 +333,14 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                 return
             info.state = state
             info.exitcode = exitcode
-            shm.forget(info.shm_files)  # cached mappings would pin their memory
-            for name in info.shm_files:  # (a worker that exited cleanly removed them)
-                shm.unlink(name)
-            info.shm_files.clear()
+            files, info.shm_files = info.shm_files, set()
             failure = self.rank_failure(rank)
             waiting = [q for q in self.pending.values()
                        if rank in q.ranks and rank not in q.replies]
             self._hello.notify_all()
+        shm.forget(files)  # (outside the lock) cached mappings would pin their memory
+        for name in files:  # a worker that exited cleanly removed them already
+            shm.unlink(name)
         for req in waiting:
             # the request fails now, but stays routable for a while: what the other
             # ranks print (and their replies, once interrupted) still reach it
