@@ -36,7 +36,7 @@ import zmq
 
 from . import batching, protocol, shm
 from .batching import BatchingIO
-from .controller_io import ControllerIO
+from .controller_io import ControllerIO, spin_seconds
 from .controller_output import RankOutput
 from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
@@ -66,6 +66,13 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
     encrypt : bool or None
         Encrypt traffic with CurveZMQ. Default: on when ``bind`` is not a
         loopback address. Turning it off there prints a warning.
+
+    Raises
+    ------
+    ValueError
+        If the environment variable ``MONARCH_SPIN_US`` (how long, in
+        microseconds, a caller looks for its reply before it sleeps; see
+        :mod:`monarch_kernel.controller_io`) is not a number from 0 to 10000.
     """
 
     def __init__(
@@ -76,6 +83,9 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         key: bytes | None = None,
         encrypt: bool | None = None,
     ) -> None:
+        #: seconds a waiting caller looks for its reply before it sleeps (controller_io)
+        self.spin_s = spin_seconds()
+        self._spin_next = True  # something was sent or read since a step found nothing
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         self.codec.pool = shm.Pool()
@@ -149,6 +159,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             self._send_to(ranks, frames)
 
     def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        self._spin_next = True  # replies may come soon: a waiting caller looks first
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send

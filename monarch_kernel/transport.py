@@ -30,7 +30,7 @@ import zmq
 
 from .errors import TransportError
 
-__all__ = ["Outbox", "bind_router", "connect_dealer", "drain", "inproc_pair", "is_loopback",
+__all__ = ["Outbox", "bind_router", "connect_dealer", "drain", "has_input", "inproc_pair", "is_loopback",
            "send_frames"]
 
 _counter = itertools.count()
@@ -149,6 +149,17 @@ def drain(sock: zmq.Socket) -> Iterator[list[zmq.Frame]]:
         while _get(sock, _RCVMORE):
             parts.append(_recv(sock, _NOBLOCK, False))
         yield parts
+
+
+def has_input(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock`` (no syscall when none does).
+
+    Raises
+    ------
+    zmq.ZMQError
+        If ``sock`` is closed.
+    """
+    return bool(_get(sock, _EVENTS) & _POLLIN)
 
 
 def inproc_pair(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
