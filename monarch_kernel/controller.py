@@ -25,6 +25,7 @@ thread that leads, outside the controller's lock; they must not block.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import sys
 import threading
@@ -86,6 +87,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         #: seconds a waiting caller looks for its reply before it sleeps (controller_io)
         self.spin_s = spin_seconds()
         self._spin_next = True  # something was sent or read since a step found nothing
+        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         self.codec.pool = shm.Pool()

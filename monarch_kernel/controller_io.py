@@ -13,7 +13,8 @@ never letting 50 ms pass without a step.
 
 A caller that leads looks for its reply for up to ``spin_s`` (100 us by
 default, ``MONARCH_SPIN_US``) before it sleeps in poll(2), when something was
-sent or read since the last step that found nothing: a reply that comes within that
+sent or read since the last step that found nothing, and while a core is
+left beside every busy local rank: a reply that comes within that
 time is read without the thread going to sleep and being woken (about
 60 us of a no-op call's round trip on a 2-core VM). This is the bounded
 "spin, then block" of MPI progress engines and of Linux's ``busy_poll``;
@@ -203,10 +204,20 @@ class ControllerIO:
             left = 0.05 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self._spin_next and self.spin_s:
+            if self._spin_next and self.spin_s and self._core_to_spare():
                 self._spin(min(self.spin_s, left))
             self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
         return True
+
+    def _core_to_spare(self) -> bool:
+        """Whether a core is left for this thread beside every busy local rank
+        (where ranks outnumber cores, a spin takes CPU that they need)."""
+        busy = 0
+        for r in self.local_ranks:
+            info = self.ranks.get(r)
+            if info is not None and info.state == "busy":
+                busy += 1
+        return busy < self._cores
 
     def _spin(self, seconds: float) -> None:
         """Look for a message on the ROUTER for up to ``seconds`` (the leader)."""
