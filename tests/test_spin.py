@@ -89,3 +89,18 @@ def test_spin_off_still_answers(sleeper, monkeypatch) -> None:
     monkeypatch.setattr(ctl, "_spin", lambda s: pytest.fail("spun with spin_s = 0"))
     assert [one.noop.call_one().get(timeout=30) for _ in range(50)] == [None] * 50
     assert one.nap.call_one(0.01).get(timeout=30) == 0.01
+
+
+def test_no_spin_without_a_core_to_spare(sleeper, monkeypatch) -> None:
+    """Where busy local ranks take every core, the caller sleeps at once."""
+    pm, one = sleeper
+    ctl = pm.controller
+    spins = []
+    real = ctl._spin
+    monkeypatch.setattr(ctl, "_spin", lambda s: (spins.append(s), real(s))[1])
+    one.noop.call_one().get(timeout=30)
+    assert spins, "a call on an idle machine should spin"
+    spins.clear()
+    monkeypatch.setattr(ctl, "_cores", 1)  # the one busy rank takes the only core
+    assert [one.noop.call_one().get(timeout=30) for _ in range(20)] == [None] * 20
+    assert not spins
