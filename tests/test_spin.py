@@ -92,7 +92,7 @@ def test_spin_off_still_answers(sleeper, monkeypatch) -> None:
 
 
 def test_no_spin_without_a_core_to_spare(sleeper, monkeypatch) -> None:
-    """Where busy local ranks take every core, the caller sleeps at once."""
+    """On one core (the busy rank needs it) the caller sleeps at once."""
     pm, one = sleeper
     ctl = pm.controller
     spins = []
@@ -105,3 +105,23 @@ def test_no_spin_without_a_core_to_spare(sleeper, monkeypatch) -> None:
     monkeypatch.setattr(ctl, "_cores", 1)  # the one busy rank takes the only core
     assert [one.noop.call_one().get(timeout=30) for _ in range(20)] == [None] * 20
     assert not spins
+
+
+def test_no_spin_when_busy_ranks_outnumber_the_cores(monkeypatch) -> None:
+    pm = spawn_procs(3)
+    try:
+        ctl = pm.controller
+        mesh = pm.spawn("sleepers", Sleeper)
+        spins = []
+        real = ctl._spin
+        monkeypatch.setattr(ctl, "_spin", lambda s: (spins.append(s), real(s))[1])
+        monkeypatch.setattr(ctl, "_cores", 2)  # 3 busy ranks, 2 cores: sleep at once
+        for _ in range(10):
+            mesh.noop.call().get(timeout=30)
+        assert not spins
+        monkeypatch.setattr(ctl, "_cores", 3)
+        mesh.noop.call().get(timeout=30)
+        assert spins
+    finally:
+        pm.stop()
+        wait_for(lambda: not worker_pids(os.getpid()), 10, what="no worker processes left")
