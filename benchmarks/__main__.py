@@ -115,6 +115,11 @@ def table(result: dict[str, Any]) -> str:
             lines.append("alternating blocks, ours / raw: " + ", ".join(
                 f"{m} {pr['monarch_kernel'][m]:,.0f} / {pr['raw_pyzmq'][m]:,.0f} us = "
                 f"{pr['ratio_to_raw'][m]:.2f}x" for m in ("call_p50_us", "bcast_p50_us")))
+            if "call_p50_us_spin_off" in pr["monarch_kernel"]:
+                lines.append(
+                    f"  call_p50_us with the controller's spin off (MONARCH_SPIN_US=0): "
+                    f"{pr['monarch_kernel']['call_p50_us_spin_off']:,.0f} us = "
+                    f"{pr['ratio_to_raw']['call_p50_us_spin_off']:.2f}x raw")
     c = result["cell_p50_us"]
     if not c:
         lines.append("\ncell_p50_us: not measured (--no-kernels)")

@@ -5,7 +5,10 @@ no-op call moved between 50 and 140 us within one session). With both meshes
 up, blocks of calls alternate between the raw DEALER/ROUTER echo and our
 actor endpoints, so both see the same machine and their ratio compares like
 with like. Figures: ``call_p50_us``, ``call_p99_us`` (one worker) and
-``bcast_p50_us`` (all N, gathered), each side, and ours / raw.
+``bcast_p50_us`` (all N, gathered), each side, and ours / raw; and ours
+with the controller's spin off (``call_p50_us_spin_off``; see
+:mod:`monarch_kernel.controller_io`), so the ratio shows what the spin is
+worth: the raw echo blocks in ``recv`` and never spins.
 """
 
 from __future__ import annotations
@@ -32,12 +35,19 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
             ("raw_pyzmq", "bcast"): raw.bcast,
             ("monarch_kernel", "bcast"): lambda: actors.noop.call().get(),
         }
+        # ours again with the controller's spin off (MONARCH_SPIN_US=0): what the
+        # spin (controller_io) is worth, in the same blocks
+        fns["monarch_kernel", "call_nospin"] = fns["monarch_kernel", "call"]
+        ctl = procs.controller
+        spin = ctl.spin_s
         lat: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
         for k, fn in fns.items():
             latencies_us(fn, 1, warmup=100)
         for _ in range(max(1, calls // block)):
             for k, fn in fns.items():
+                ctl.spin_s = 0.0 if k[1] == "call_nospin" else spin
                 lat[k] += latencies_us(fn, block, warmup=3)
+        ctl.spin_s = spin
         out: dict[str, Any] = {}
         for side in ("raw_pyzmq", "monarch_kernel"):
             out[side] = {"call_p50_us": p50(lat[side, "call"]),
@@ -45,6 +55,10 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
                          "bcast_p50_us": p50(lat[side, "bcast"])}
         out["ratio_to_raw"] = {m: out["monarch_kernel"][m] / out["raw_pyzmq"][m]
                                for m in out["raw_pyzmq"]}
+        nospin = p50(lat["monarch_kernel", "call_nospin"])
+        out["monarch_kernel"]["call_p50_us_spin_off"] = nospin
+        out["ratio_to_raw"]["call_p50_us_spin_off"] = nospin / out["raw_pyzmq"]["call_p50_us"]
+        out["spin_us"] = spin * 1e6
         return out
     finally:
         procs.stop()
