@@ -86,7 +86,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
     ) -> None:
         #: seconds a waiting caller looks for its reply before it sleeps (controller_io)
         self.spin_s = spin_seconds()
-        self._spin_next = True  # something was sent or read since a step found nothing
+        self._spin_next = True  # sent, or read on the ROUTER, since the last spin
+        self._spin_misses = 0  # spins in a row that found nothing (controller_io)
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         self.key = key or protocol.new_key()
@@ -163,6 +164,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
 
     def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
         self._spin_next = True  # replies may come soon: a waiting caller looks first
+        self._spin_misses = 0
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send

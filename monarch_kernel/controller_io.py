@@ -11,15 +11,18 @@ back while a caller leads, and takes the lead again 10-15 ms after the last
 one (not at once: back-to-back calls then need no wake-up of this thread),
 never letting 50 ms pass without a step.
 
-A caller that leads looks for its reply for up to ``spin_s`` (100 us by
-default, ``MONARCH_SPIN_US``) before it sleeps in poll(2), when something was
-sent or read since the last step that found nothing, and while busy local
-ranks do not outnumber the cores: a reply that comes within that
-time is read without the thread going to sleep and being woken (about
-60 us of a no-op call's round trip on a 2-core VM). This is the bounded
-"spin, then block" of MPI progress engines and of Linux's ``busy_poll``;
-it costs that much CPU per wait, never more, and ``MONARCH_SPIN_US=0``
-turns it off.
+A caller that leads looks for its reply on the ROUTER for up to ``spin_s``
+(100 us by default, ``MONARCH_SPIN_US``) before it sleeps in poll(2): a reply
+that comes within that time is read without the thread going to sleep and
+being woken (about 60 us of a no-op call's round trip on a 2-core VM). This
+is the bounded "spin, then block" of MPI progress engines and of Linux's
+``busy_poll``. It spins only after a message was sent, or one came in on
+the ROUTER, since the last spin (output read from a worker's pipe does not
+count), at most MAX_MISSES spins in a row that find nothing, and only with
+at least 2 cores and no more busy local ranks than cores (``busy`` meaning
+a request of this controller is pending there, not measured CPU). So a
+wait costs at most ``spin_s`` of CPU per message sent or received, never
+more while nothing comes; ``MONARCH_SPIN_US=0`` turns it off.
 
 :class:`ControllerIO` is a mixin of :class:`~monarch_kernel.controller.Controller`
 and uses its sockets, registry and locks.
@@ -41,6 +44,9 @@ from .transport import drain, has_input, send_frames
 
 #: microseconds a waiting caller looks for its reply before it sleeps (see above)
 SPIN_US = 100
+#: spins in a row that found nothing, after which callers sleep at once until
+#: a message is sent or comes in on the ROUTER
+MAX_MISSES = 3
 
 
 def spin_seconds(environ: Any = os.environ) -> float:
@@ -204,35 +210,50 @@ class ControllerIO:
             left = 0.05 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self._spin_next and self.spin_s and self._core_to_spare():
-                self._spin(min(self.spin_s, left))
+            if (self._spin_next and self.spin_s and self._spin_misses < MAX_MISSES
+                    and self._core_to_spare()):
+                self._spin_next = False
+                if self._spin(min(self.spin_s, left)):
+                    self._spin_misses = 0
+                else:
+                    self._spin_misses += 1
             self._guarded_step(max(1, int(min(left, 0.05) * 1000)))
         return True
 
     def _core_to_spare(self) -> bool:
-        """Whether a spin can take a core that busy local ranks do not need:
-        at least 2 cores, and no more busy local ranks than cores (measured on
-        2 cores: a broadcast to 2 ranks gains 13% from the spin, to 4 ranks
-        none; on 1 core it would take the time the rank needs)."""
-        if self._cores < 2:
+        """Whether the spin may run: at least 2 cores, and no more busy local
+        ranks than cores. A heuristic ("busy": a request of this controller is
+        pending there, not measured CPU), from measurements on 2 cores: a
+        broadcast to 2 ranks gains 13% from the spin, to 4 ranks it loses;
+        on 1 core the spin would take the time the rank needs."""
+        cores = self._cores
+        if cores < 2:
             return False
+        local = self.local_ranks
+        if len(local) <= cores:
+            return True
         busy = 0
-        for r in self.local_ranks:
-            info = self.ranks.get(r)
+        ranks = self.ranks
+        for r in list(local):  # (a snapshot: a spawn may add ranks meanwhile)
+            info = ranks.get(r)
             if info is not None and info.state == "busy":
                 busy += 1
-        return busy <= self._cores
+                if busy > cores:
+                    return False
+        return True
 
-    def _spin(self, seconds: float) -> None:
-        """Look for a message on the ROUTER for up to ``seconds`` (the leader)."""
+    def _spin(self, seconds: float) -> bool:
+        """Look for a message on the ROUTER for up to ``seconds`` (the leader);
+        True if one came."""
         router = self.router
         end = time.perf_counter() + seconds
         try:
             while not has_input(router):
                 if time.perf_counter() >= end:
-                    return
+                    return False
         except zmq.ZMQError:  # closed meanwhile: the step that follows sees it
-            return
+            return False
+        return True
 
     def defer_io(self) -> None:
         """Keep the I/O thread from reading for the next 10-15 ms: the calling
@@ -289,7 +310,8 @@ class ControllerIO:
                         send_frames(self.router, [info.identity, *beat])
                     except zmq.ZMQError:
                         pass
-        self._spin_next = bool(events)  # (a step that found nothing: sleep at once next)
+        if self.router in events:  # a reply may follow: the next wait looks first
+            self._spin_next = True
         return bool(events)
 
     def _check_ranks(self, now: float) -> None:

@@ -426,6 +426,9 @@ def spawn_procs(
         If a worker died while starting.
     TimeoutError
         If workers did not connect in time.
+    ValueError
+        If ``MONARCH_SPIN_US`` is set to something other than 0-10000
+        microseconds (see :mod:`monarch_kernel.controller_io`).
     """
     if isinstance(shape, int):
         shape = {"hosts": 1, "procs": shape}

@@ -137,6 +137,22 @@ def test_bad_magic_input_is_one_line_and_kernel_survives(k4):
     assert r.status == "ok"
 
 
+def test_bad_spin_setting_keeps_the_running_mesh(k4):
+    """A bad MONARCH_SPIN_US is refused before the running mesh is stopped."""
+    r = k4.execute("import os; os.environ['MONARCH_SPIN_US'] = 'fast'")
+    assert r.status == "ok"
+    try:
+        r = k4.execute("%mesh spawn 2")
+        assert r.status == "error"
+        assert r.reply["content"]["ename"] == "UsageError"
+        assert "MONARCH_SPIN_US" in r.reply["content"]["evalue"]
+    finally:
+        assert k4.execute("del os.environ['MONARCH_SPIN_US']").status == "ok"
+    r = k4.execute("%%mesh\nrank")
+    assert r.status == "ok" and "3" in r.result_text()
+    assert len(worker_pids(k4.pid)) == 4
+
+
 def test_stop_leaves_no_worker(kernel):
     r = kernel.execute("%mesh spawn 2")
     assert r.status == "ok"

@@ -20,6 +20,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..controller import Request
+from ..controller_io import spin_seconds
 from ..debug.console import report_quits
 from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
@@ -224,6 +225,7 @@ class MeshMagics(Magics):
             raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
         try:  # before the previous mesh is stopped: a typo must not cost the running mesh
             launcher = get_launcher(a.launcher, **launcher_options)
+            spin_seconds()  # (MONARCH_SPIN_US, read by the mesh's controller)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         old = self.meshes.pop(a.name, None)
