@@ -171,11 +171,11 @@ class PeerHost:
                     for frames in drain(self.pull):
                         self._forward(frames, dealers, socks, poller)
                 if self.router in events:
-                    for frames in drain(self.router):
+                    for frames in drain(self.router, small=2):  # [identity, envelope, ...]
                         self._incoming(frames)
                 for s in socks:
                     if s in events:
-                        for frames in drain(s):
+                        for frames in drain(s, small=1):  # [envelope, buffers...]
                             self._reply(frames)
         except Exception:
             log.exception("the peer I/O thread of rank %d failed", self.rank)

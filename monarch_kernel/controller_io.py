@@ -289,7 +289,7 @@ class ControllerIO:
                 except zmq.ZMQError as e:  # host unreachable: the rank is gone
                     log.debug("cannot send to %r: %s", frames[0].bytes, e)
         if self.router in events:
-            for frames in drain(self.router):
+            for frames in drain(self.router, small=2):  # [identity, envelope, ...]
                 try:
                     self._receive(frames)
                 except Exception:

@@ -142,12 +142,21 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes,
     return sock
 
 
-def drain(sock: zmq.Socket) -> Iterator[list[zmq.Frame]]:
-    """Every message already waiting on ``sock`` (without blocking), zero-copy."""
+def drain(sock: zmq.Socket, small: int = 0) -> Iterator[list[Any]]:
+    """Every message already waiting on ``sock`` (without blocking).
+
+    The first ``small`` frames of each message come as ``bytes`` (a copy:
+    for the few hundred bytes of a routing identity and a signed envelope,
+    pyzmq's ``bytes`` cost about 1.5 us less per message than a
+    ``zmq.Frame``, counting the decoding); the rest as zero-copy
+    ``zmq.Frame`` objects (the buffers of arrays and tensors).
+    """
     while _get(sock, _EVENTS) & _POLLIN:  # no exception per empty read
-        parts = [_recv(sock, _NOBLOCK, False)]
+        parts = [_recv(sock, _NOBLOCK, small > 0)]
+        i = 1
         while _get(sock, _RCVMORE):
-            parts.append(_recv(sock, _NOBLOCK, False))
+            parts.append(_recv(sock, _NOBLOCK, i < small))
+            i += 1
         yield parts
 
 

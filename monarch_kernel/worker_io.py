@@ -126,7 +126,7 @@ class WorkerIO:
         if self.stopping.is_set():
             return
         if self.dealer in events:
-            for frames in drain(self.dealer):
+            for frames in drain(self.dealer, small=1):  # [envelope, buffers...]
                 try:
                     msg = self.codec.decode(frames, lazy=True)
                 except ProtocolError as e:
