@@ -200,3 +200,28 @@ def test_kernelspec_install_cli(tmp_path):
     assert data["display_name"] == "Monarch (mesh)"
     assert data["argv"][1:3] == ["-m", "monarch_kernel.kernel"]
     assert (spec / "logo-64x64.png").exists()
+
+
+def test_named_meshes_use_and_status(kernel):
+    """Two named meshes: the last spawned is current; %mesh use switches."""
+    for name in ("a", "b"):
+        r = kernel.execute(f"%mesh spawn 1 --name {name}")
+        assert r.status == "ok", r.error_text()
+    pids = {}
+    for name in ("a", "b"):
+        r = kernel.execute(f"print({name}.controller.ranks[0].pid)")
+        pids[name] = int(r.stream())
+    r = kernel.execute("%%mesh\nimport os\nos.getpid()")
+    assert str(pids["b"]) in r.result_text()
+    r = kernel.execute("%mesh use a")
+    assert r.status == "ok" and "'a'" in r.stream()
+    r = kernel.execute("%%mesh\nimport os\nos.getpid()")
+    assert str(pids["a"]) in r.result_text()
+    r = kernel.execute("st = %mesh status\nprint(repr(st))")
+    assert "mesh 'a'" in r.stream(), r.error_text()
+    r = kernel.execute("%mesh use nope")
+    assert r.status == "error" and r.reply["content"]["ename"] == "UsageError"
+    assert "'a', 'b'" in r.reply["content"]["evalue"]
+    r = kernel.execute("%mesh stop --all")
+    assert r.status == "ok", r.error_text()
+    wait_for(lambda: not worker_pids(kernel.pid), 10, what="workers gone after --all")

@@ -48,7 +48,8 @@ r = %mesh ref NAME                           a handle to NAME; the values stay o
 %mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
 %mesh restart RANKS                          replace ranks (3, 1,2, 0:4, all) with fresh processes
 %mesh debug [--wait S] [--post-mortem RANK]  console for paused ranks (breakpoint() on ranks)
-%mesh stop [--all]                           stop the mesh's workers"""
+%mesh use NAME                               make mesh NAME (from spawn --name) the current one
+%mesh stop [--all]                           stop the current mesh's workers (--all: every mesh)"""
 
 
 def _usage_of(name: str) -> str:
@@ -263,6 +264,19 @@ class MeshMagics(Magics):
         print(f"mesh {self.current!r} stopped ({len(m)} ranks)")
         self.meshes.pop(self.current or "", None)
 
+    def _cmd_use(self, argv: list[str]) -> None:
+        p = _parser("use")
+        p.add_argument("name")
+        a = p.parse_args(argv)
+        m = self.meshes.get(a.name)
+        if m is None or m.root._stopped:
+            names = ", ".join(repr(n) for n, pm in self.meshes.items() if not pm.root._stopped)
+            raise UsageError(f"%mesh use: no running mesh named {a.name!r}; running: "
+                             f"{names or 'none'} (start one with  %mesh spawn N --name "
+                             f"{a.name})")
+        self.current = a.name
+        print(f"mesh {a.name!r} ({len(m)} ranks {m.shape.dims}) is now the current mesh")
+
     def _cmd_restart(self, argv: list[str]) -> None:
         p = _parser("restart")
         p.add_argument("ranks", help="a rank spec: 3, 1,2, 0:4 or all")
@@ -353,7 +367,7 @@ class MeshMagics(Magics):
                              f"Usage: {_usage_of('%mesh status')}")
         from ..ui.status import StatusTable
 
-        return StatusTable(self.current_mesh())
+        return StatusTable(self.current_mesh(), name=self.current)
 
     def _cmd_dashboard(self, argv: list[str]) -> Any:
         p = _parser("dashboard")

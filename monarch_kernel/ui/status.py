@@ -143,9 +143,13 @@ class StatusTable:
     ----------
     mesh : ProcMesh
         Anything with ``shape.dims`` and ``status()`` (rows of dicts).
+    name : str or None
+        The mesh's name in the notebook (``%mesh spawn --name``), shown in
+        the title.
     """
 
-    def __init__(self, mesh: Any) -> None:
+    def __init__(self, mesh: Any, name: str | None = None) -> None:
+        self.name = name
         self.dims = mesh.shape.dims
         self.rows = mesh.status()
         self.columns = list(COLUMNS)
@@ -155,6 +159,9 @@ class StatusTable:
             self.columns = [c for c in self.columns
                             if c[0] in ("rank", "host", "job", "pid", "state", "msgs")]
 
+    def _label(self) -> str:
+        return f"{self.name!r} {self.dims}" if self.name else str(self.dims)
+
     def _cells(self, row: dict[str, Any]) -> list[str]:
         f = figures(row)
         return [f.get(key, "") for key, _ in self.columns]
@@ -163,7 +170,7 @@ class StatusTable:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"mesh {self.dims}")
+        table = Table(title=f"mesh {self._label()}")
         for key, title in self.columns:
             table.add_column(title, justify="right" if key in (
                 "rank", "pid", "cpu", "rss", "uss", "threads") else "left")
@@ -181,5 +188,5 @@ class StatusTable:
             style = ' style="color:#b71c1c"' if r.get("state") == "dead" else ""
             body.append(f"<tr{style}>" + "".join(
                 f"<td>{html.escape(c)}</td>" for c in self._cells(r)) + "</tr>")
-        return (f"<div><b>mesh</b> {html.escape(str(self.dims))}<table><thead><tr>{head}"
+        return (f"<div><b>mesh</b> {html.escape(self._label())}<table><thead><tr>{head}"
                 f"</tr></thead><tbody>{''.join(body)}</tbody></table></div>")
