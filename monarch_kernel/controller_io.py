@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
 
 import zmq
 
@@ -49,7 +49,7 @@ SPIN_US = 100
 MAX_MISSES = 3
 
 
-def spin_seconds(environ: Any = os.environ) -> float:
+def spin_seconds(environ: Mapping[str, str] = os.environ) -> float:
     """The spin of a waiting caller, in seconds, from ``MONARCH_SPIN_US``
     (microseconds; default :data:`SPIN_US`).
 
@@ -119,13 +119,11 @@ class ControllerIO:
                 self.router.close(0)
                 self.pull.close(0)
 
-    def _guarded_step(self, timeout_ms: int) -> bool:
-        """One I/O step; True if something was read."""
+    def _guarded_step(self, timeout_ms: int) -> None:
         try:
-            return self._io_step(self._poller, timeout_ms)
+            self._io_step(self._poller, timeout_ms)
         except Exception:  # one bad step (a user's on_output, ...) must not stop I/O
             log.exception("the controller I/O hit an error; going on")
-            return False
 
     def wait_for(self, event: threading.Event, timeout: float | None = None) -> bool:
         """Wait until ``event`` is set, doing the controller's I/O meanwhile.
@@ -271,9 +269,9 @@ class ControllerIO:
         if self.batches:  # (the coroutine awaits: held calls leave now)
             self.flush_batches()
 
-    def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> bool:
+    def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
         """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
-        (by whichever thread leads). True if something was ready to read."""
+        (by whichever thread leads)."""
         if self._new_pipes:
             self._register_pipes(poller)
         events = dict(poller.poll(timeout_ms))
@@ -312,7 +310,6 @@ class ControllerIO:
                         pass
         if self.router in events:  # a reply may follow: the next wait looks first
             self._spin_next = True
-        return bool(events)
 
     def _check_ranks(self, now: float) -> None:
         if self.stopping:
