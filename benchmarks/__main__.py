@@ -120,6 +120,12 @@ def table(result: dict[str, Any]) -> str:
                     f"  call_p50_us with the controller's spin off (MONARCH_SPIN_US=0): "
                     f"{pr['monarch_kernel']['call_p50_us_spin_off']:,.0f} us = "
                     f"{pr['ratio_to_raw']['call_p50_us_spin_off']:.2f}x raw")
+            if "call_idle_p50_us" in pr["monarch_kernel"]:
+                lines.append(
+                    f"  call_p50_us after {paired.IDLE_S * 1e3:g} ms idle: "
+                    f"{pr['monarch_kernel']['call_idle_p50_us']:,.0f} / "
+                    f"{pr['raw_pyzmq']['call_idle_p50_us']:,.0f} us = "
+                    f"{pr['ratio_to_raw']['call_idle_p50_us']:.2f}x raw")
     c = result["cell_p50_us"]
     if not c:
         lines.append("\ncell_p50_us: not measured (--no-kernels)")

@@ -9,10 +9,17 @@ with like. Figures: ``call_p50_us``, ``call_p99_us`` (one worker) and
 with the controller's spin off (``call_p50_us_spin_off``; see
 :mod:`monarch_kernel.controller_io`), so the ratio shows what the spin is
 worth: the raw echo blocks in ``recv`` and never spins.
+
+``call_idle_p50_us``: a no-op call after ``IDLE_S`` (1.5 ms) of idleness,
+each side, in the same alternating blocks. Back-to-back calls keep every
+thread and cache warm; a notebook's calls come after a pause, and this is
+where a spin that held on to its core cost most (see
+:mod:`monarch_kernel.controller_io`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from monarch_kernel.procmesh import spawn_procs
@@ -22,8 +29,25 @@ from .raw_zmq import RawMesh
 from .stats import latencies_us, p50, p99
 
 
+#: seconds of idleness before each call of ``call_idle_p50_us``
+IDLE_S = 0.0015
+
+
+def _after_idle(fn: Any) -> Any:
+    """``fn`` timed after ``IDLE_S`` of sleep (the sleep is not timed)."""
+    clock = time.perf_counter
+
+    def timed() -> float:
+        time.sleep(IDLE_S)
+        t0 = clock()
+        fn()
+        return (clock() - t0) * 1e6
+    return timed
+
+
 def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
-    """Alternate ``block`` calls of each kind until each has ``calls``."""
+    """Alternate ``block`` calls of each kind until each has ``calls`` (the calls
+    after idleness: a quarter of that, in blocks of a quarter)."""
     raw = RawMesh(n)
     procs = spawn_procs(n, telemetry_interval=1.0)
     try:
@@ -40,19 +64,25 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         fns["monarch_kernel", "call_nospin"] = fns["monarch_kernel", "call"]
         ctl = procs.controller
         spin = ctl.spin_s
-        lat: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+        idle = {("raw_pyzmq", "call_idle"): _after_idle(fns["raw_pyzmq", "call"]),
+                ("monarch_kernel", "call_idle"): _after_idle(fns["monarch_kernel", "call"])}
+        lat: dict[tuple[str, str], list[float]] = {k: [] for k in [*fns, *idle]}
         for k, fn in fns.items():
             latencies_us(fn, 1, warmup=100)
         for _ in range(max(1, calls // block)):
             for k, fn in fns.items():
                 ctl.spin_s = 0.0 if k[1] == "call_nospin" else spin
                 lat[k] += latencies_us(fn, block, warmup=3)
+            ctl.spin_s = spin
+            for k, timed in idle.items():
+                lat[k] += [timed() for _ in range(max(1, block // 4))]
         ctl.spin_s = spin
         out: dict[str, Any] = {}
         for side in ("raw_pyzmq", "monarch_kernel"):
             out[side] = {"call_p50_us": p50(lat[side, "call"]),
                          "call_p99_us": p99(lat[side, "call"]),
-                         "bcast_p50_us": p50(lat[side, "bcast"])}
+                         "bcast_p50_us": p50(lat[side, "bcast"]),
+                         "call_idle_p50_us": p50(lat[side, "call_idle"])}
         out["ratio_to_raw"] = {m: out["monarch_kernel"][m] / out["raw_pyzmq"][m]
                                for m in out["raw_pyzmq"]}
         nospin = p50(lat["monarch_kernel", "call_nospin"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -110,6 +111,28 @@ def test_output_read_from_pipes_does_not_spin(sleeper, monkeypatch) -> None:
     lines = one.chatter.call_one(0.5).get(timeout=30)
     assert lines > 50
     assert len(spins) <= MAX_MISSES, f"{len(spins)} spins for {lines} lines of output"
+
+
+def test_the_spin_yields_between_looks(sleeper, monkeypatch) -> None:
+    """Between two looks at the ROUTER the spinning caller gives its core away
+    (a thread it woke may wait behind it) and the GIL with it."""
+    from monarch_kernel import controller_io
+
+    pm, one = sleeper
+    ctl = pm.controller
+    monkeypatch.setattr(ctl, "_cores", 8)  # (whatever this machine has)
+    yields: list[int] = []
+    real = controller_io._yield
+
+    def counted() -> None:
+        yields.append(threading.get_ident())
+        real()
+
+    monkeypatch.setattr(controller_io, "_yield", counted)
+    ctl.spin_s = 0.002  # a fruitless 2 ms spin: the reply takes 50 ms
+    assert one.nap.call_one(0.05).get(timeout=30) == 0.05
+    assert len(yields) > 10, f"{len(yields)} yields in a 2 ms spin"
+    assert set(yields) == {threading.get_ident()}  # (the caller led and spun)
 
 
 def test_spin_off_still_answers(sleeper, monkeypatch) -> None:
