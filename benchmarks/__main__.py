@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from . import ours, paired, peers, raw_zmq
+from . import actor_peers, ours, paired, peers, raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "calls_per_s", "tensor_gbps",
            "p2p_gbps", "rdma_gbps", "spawn_s"]
@@ -44,6 +44,10 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                 row["ipyparallel"] = peers.ipyparallel(n, calls=200 if quick else 500)
             except Exception as e:  # noqa: BLE001 - a peer failing must not stop the suite
                 row["ipyparallel"] = {"error": f"{type(e).__name__}: {e}"}
+        for peer in ("ray", "torchmonarch"):
+            if result["installed"][peer]:
+                print(f"[bench] N={n}: {peer}", file=sys.stderr, flush=True)
+                row[peer] = actor_peers.measure(peer, n, calls=200 if quick else 500)
         ratios = {}
         base = row["raw_pyzmq"]
         for k, v in row["monarch_kernel"].items():
@@ -98,7 +102,8 @@ def table(result: dict[str, Any]) -> str:
     absent = [k for k, v in result.get("installed", {}).items() if not v]
     lines = [f"not installed, so not measured: {', '.join(absent)}"] if absent else []
     for n, row in result["n"].items():
-        cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel") if c in row]
+        cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")
+                if c in row]
         lines.append(f"\nN = {n} workers")
         lines.append("| metric | " + " | ".join(cols) + " | ours / raw |")
         lines.append("|---|" + "---|" * (len(cols) + 1))
@@ -110,6 +115,13 @@ def table(result: dict[str, Any]) -> str:
             ratio = row["ratio_to_raw"].get(m)
             shown = "-" if ratio is None else f"{ratio:.2f}x"
             lines.append(f"| {m} | " + " | ".join(vals) + f" | {shown} |")
+        for c in cols:
+            if isinstance(row[c], dict) and "error" in row[c]:
+                lines.append(f"{c}: not measured ({row[c]['error']})")
+        versions = [f"{c} {row[c]['version']}" for c in cols
+                    if isinstance(row[c], dict) and row[c].get("version")]
+        if versions:
+            lines.append("versions: " + ", ".join(versions))
         pr = row.get("paired")
         if pr:
             lines.append("alternating blocks, ours / raw: " + ", ".join(

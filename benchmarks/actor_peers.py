@@ -1,0 +1,198 @@
+"""Ray and PyTorch Monarch (``torchmonarch``), measured as ours are, when installed.
+
+Each peer runs in a child process of its own (``python -m
+benchmarks.actor_peers ray|torchmonarch N CALLS [--no-big]``, which prints
+one JSON object), so its runtime (Ray's raylet and object store, Monarch's
+Rust actor runtime and host agent) neither shares the benchmark's process
+with ours nor outlives the measurement: the child is killed at its timeout.
+
+Figures, as for ours (:mod:`.ours`): ``spawn_s`` (N workers up and an actor
+on each answering), ``call_p50_us`` / ``call_p99_us`` (no-op endpoint of one
+actor), ``bcast_p50_us`` (no-op on all N, gathered), ``calls_per_s`` (1,000
+no-op calls in flight to one actor), ``tensor_gbps`` (a 64 MiB float32 tensor
+to an actor and its sum back) and ``p2p_gbps`` (64 MiB from one actor to
+another, never through the driver). Ray actors are ``@ray.remote`` classes
+in a local Ray instance (``ray.init(num_cpus=N)``; its dashboard off);
+Monarch's are ``monarch.actor.Actor`` subclasses on
+``this_host().spawn_procs(per_host={"procs": N})``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from .stats import latencies_us, p50, p99
+
+MiB = 1 << 20
+#: seconds a peer's child process may take before it is killed
+TIMEOUT_S = 600
+
+
+def measure(peer: str, n: int, calls: int = 500, big: bool = True) -> dict[str, Any]:
+    """Run one peer in a child process; its figures, or ``{"error": ...}``."""
+    cmd = [sys.executable, "-m", "benchmarks.actor_peers", peer, str(n), str(calls)]
+    if not big:
+        cmd.append("--no-big")
+    env = dict(os.environ, RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired:
+        return {"error": f"{peer} did not finish within {TIMEOUT_S} s"}
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+    return {"error": f"{peer} exited with {r.returncode}: {' | '.join(tail)}"}
+
+
+def _best_gbps(fn: Any, nbytes: int, times: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(times):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+# --------------------------------------------------------------------- Ray
+def _ray(n: int, calls: int, big: bool) -> dict[str, Any]:
+    import ray
+
+    @ray.remote
+    class Bench:
+        def noop(self) -> None:
+            return None
+
+        def sum(self, t: Any) -> float:
+            return float(t.sum())
+
+        def send_to(self, other: Any, nbytes: int) -> float:
+            import torch
+
+            t = torch.ones(nbytes // 4)
+            return _best_gbps(lambda: ray.get(other.sum.remote(t)), nbytes)
+
+    t0 = time.perf_counter()
+    ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        actors = [Bench.remote() for _ in range(n)]
+        ray.get([a.noop.remote() for a in actors])
+        out: dict[str, Any] = {"spawn_s": time.perf_counter() - t0}
+        one = actors[0]
+        lat = latencies_us(lambda: ray.get(one.noop.remote()), calls, warmup=50)
+        out.update(call_p50_us=p50(lat), call_p99_us=p99(lat))
+        out["bcast_p50_us"] = p50(latencies_us(
+            lambda: ray.get([a.noop.remote() for a in actors]), max(100, calls // 4)))
+        out["calls_per_s"] = max(_ray_pipelined(ray, one) for _ in range(3))
+        if big:
+            import torch
+
+            t = torch.ones(64 * MiB // 4)
+            out["tensor_gbps"] = _best_gbps(lambda: ray.get(one.sum.remote(t)), 64 * MiB)
+            if n > 1:
+                out["p2p_gbps"] = ray.get(actors[0].send_to.remote(actors[1], 64 * MiB))
+        out["version"] = ray.__version__
+        return out
+    finally:
+        ray.shutdown()
+
+
+def _ray_pipelined(ray: Any, one: Any) -> float:
+    t0 = time.perf_counter()
+    ray.get([one.noop.remote() for _ in range(1000)])
+    return 1000 / (time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------ torchmonarch
+def _torchmonarch(n: int, calls: int, big: bool) -> dict[str, Any]:
+    import monarch
+    from monarch.actor import Actor, endpoint, this_host
+
+    class Bench(Actor):
+        @endpoint
+        def noop(self) -> None:
+            return None
+
+        @endpoint
+        def sum(self, t: Any) -> float:
+            return float(t.sum())
+
+    class Sender(Actor):  # (Monarch refuses sync and async endpoints in one class)
+        @endpoint
+        async def send_to(self, other: Any, nbytes: int) -> float:
+            import torch
+
+            t = torch.ones(nbytes // 4)
+            await other.sum.call_one(t)  # warm-up
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                await other.sum.call_one(t)
+                best = min(best, time.perf_counter() - t0)
+            return nbytes / best / 1e9
+
+    t0 = time.perf_counter()
+    procs = this_host().spawn_procs(per_host={"procs": n})
+    try:
+        actors = procs.spawn("bench", Bench)
+        actors.noop.call().get()
+        out: dict[str, Any] = {"spawn_s": time.perf_counter() - t0}
+        one = actors.slice(procs=0)
+        lat = latencies_us(lambda: one.noop.call_one().get(), calls, warmup=50)
+        out.update(call_p50_us=p50(lat), call_p99_us=p99(lat))
+        out["bcast_p50_us"] = p50(latencies_us(lambda: actors.noop.call().get(),
+                                               max(100, calls // 4)))
+        best = 0.0
+        for _ in range(3):
+            t1 = time.perf_counter()
+            futures = [one.noop.call_one() for _ in range(1000)]
+            for f in futures:
+                f.get()
+            best = max(best, 1000 / (time.perf_counter() - t1))
+        out["calls_per_s"] = best
+        if big:
+            import torch
+
+            t = torch.ones(64 * MiB // 4)
+            out["tensor_gbps"] = _best_gbps(lambda: one.sum.call_one(t).get(), 64 * MiB)
+            if n > 1:
+                sender = procs.spawn("sender", Sender).slice(procs=0)
+                out["p2p_gbps"] = sender.send_to.call_one(actors.slice(procs=1),
+                                                          64 * MiB).get()
+        out["version"] = getattr(monarch, "__version__", None) or _dist_version("torchmonarch")
+        return out
+    finally:
+        procs.stop().get()
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def main(argv: list[str]) -> int:
+    peer, n, calls = argv[0], int(argv[1]), int(argv[2])
+    big = "--no-big" not in argv
+    fn = {"ray": _ray, "torchmonarch": _torchmonarch}[peer]
+    try:
+        out = fn(n, calls, big)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON, the suite goes on
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
