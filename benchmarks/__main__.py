@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -30,8 +31,10 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
         ) -> dict[str, Any]:
     calls = 500 if quick else 2000
     result: dict[str, Any] = {"machine": {"python": sys.version.split()[0],
-                                          "platform": platform.platform()},
-                              "installed": peers.installed(), "n": {}}
+                                          "platform": platform.platform(),
+                                          "cores": len(os.sched_getaffinity(0))},
+                              "installed": peers.installed(),
+                              "versions": peers.versions(), "n": {}}
     for n in sizes:
         row: dict[str, Any] = {}
         print(f"[bench] N={n}: raw pyzmq", file=sys.stderr, flush=True)
@@ -101,6 +104,10 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
 def table(result: dict[str, Any]) -> str:
     absent = [k for k, v in result.get("installed", {}).items() if not v]
     lines = [f"not installed, so not measured: {', '.join(absent)}"] if absent else []
+    m = result.get("machine", {})
+    lines.append(f"machine: {m.get('cores', '?')} cores, Python {m.get('python', '?')}; "
+                 + ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items() if v))
+    lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")
                 if c in row]
@@ -118,10 +125,6 @@ def table(result: dict[str, Any]) -> str:
         for c in cols:
             if isinstance(row[c], dict) and "error" in row[c]:
                 lines.append(f"{c}: not measured ({row[c]['error']})")
-        versions = [f"{c} {row[c]['version']}" for c in cols
-                    if isinstance(row[c], dict) and row[c].get("version")]
-        if versions:
-            lines.append("versions: " + ", ".join(versions))
         pr = row.get("paired")
         if pr:
             lines.append("alternating blocks, ours / raw: " + ", ".join(

@@ -129,6 +129,19 @@ def cells(n: int = 2, cells: int = 40, px: bool = True, block: int = 10) -> dict
                 ks.shutdown()
 
 
+def versions() -> dict[str, str | None]:
+    """Versions of what the figures depend on (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for dist in ("monarch_kernel", "pyzmq", "torch", "ipyparallel", "ray", "torchmonarch"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def installed() -> dict[str, bool]:
     return {name: importlib.util.find_spec(mod) is not None
             for name, mod in (("ipyparallel", "ipyparallel"), ("ray", "ray"),

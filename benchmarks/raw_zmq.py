@@ -11,6 +11,7 @@ signing or routing logic.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -39,8 +40,11 @@ def worker(addr: str, ident: str) -> None:
     poller.register(s, zmq.POLLIN)
     poller.register(peer, zmq.POLLIN)
     out: dict[str, zmq.Socket] = {}
+    parent = os.getppid()
     while True:
-        ev = dict(poller.poll())
+        ev = dict(poller.poll(1000))
+        if not ev and os.getppid() != parent:  # the driver died before its stop: leave
+            break
         if peer in ev:
             who, data = peer.recv_multipart(copy=False)
             total = float(np.frombuffer(data.buffer, dtype=np.float32).sum())
