@@ -32,7 +32,9 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
     calls = 500 if quick else 2000
     result: dict[str, Any] = {"machine": {"python": sys.version.split()[0],
                                           "platform": platform.platform(),
-                                          "cores": len(os.sched_getaffinity(0))},
+                                          "cores": len(os.sched_getaffinity(0))
+                                          if hasattr(os, "sched_getaffinity")
+                                          else os.cpu_count()},
                               "installed": peers.installed(),
                               "versions": peers.versions(), "n": {}}
     for n in sizes:
@@ -50,7 +52,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
         for peer in ("ray", "torchmonarch"):
             if result["installed"][peer]:
                 print(f"[bench] N={n}: {peer}", file=sys.stderr, flush=True)
-                row[peer] = actor_peers.measure(peer, n, calls=200 if quick else 500)
+                row[peer] = actor_peers.measure(peer, n, calls)
         ratios = {}
         base = row["raw_pyzmq"]
         for k, v in row["monarch_kernel"].items():

@@ -1,10 +1,13 @@
 """Ray and PyTorch Monarch (``torchmonarch``), measured as ours are, when installed.
 
-Each peer runs in a child process of its own (``python -m
-benchmarks.actor_peers ray|torchmonarch N CALLS [--no-big]``, which prints
-one JSON object), so its runtime (Ray's raylet and object store, Monarch's
-Rust actor runtime and host agent) neither shares the benchmark's process
-with ours nor outlives the measurement: the child is killed at its timeout.
+Each peer runs in a child process of its own, in a session of its own
+(``python -m benchmarks.actor_peers ray|torchmonarch N CALLS [--no-big]``,
+which prints one result line), so its runtime (Ray's raylet and object
+store, Monarch's Rust actor runtime and host agent) neither shares the
+benchmark's process with ours nor outlives the measurement: the session is
+killed once the child exits, or at its timeout. The sample counts are ours
+(:func:`.ours.measure`): CALLS calls after 100 of warm-up, a quarter of that
+(at least 200) broadcasts.
 
 Figures, as for ours (:mod:`.ours`): ``spawn_s`` (N workers up and an actor
 on each answering), ``call_p50_us`` / ``call_p99_us`` (no-op endpoint of one
@@ -12,7 +15,8 @@ actor), ``bcast_p50_us`` (no-op on all N, gathered), ``calls_per_s`` (1,000
 no-op calls in flight to one actor), ``tensor_gbps`` (a 64 MiB float32 tensor
 to an actor and its sum back) and ``p2p_gbps`` (64 MiB from one actor to
 another, never through the driver). Ray actors are ``@ray.remote`` classes
-in a local Ray instance (``ray.init(num_cpus=N)``; its dashboard off);
+in a local Ray instance of their own (``ray.init(address="local",
+num_cpus=N)``; its dashboard off);
 Monarch's are ``monarch.actor.Actor`` subclasses on
 ``this_host().spawn_procs(per_host={"procs": N})``.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,26 +34,52 @@ from typing import Any
 from .stats import latencies_us, p50, p99
 
 MiB = 1 << 20
-#: seconds a peer's child process may take before it is killed
-TIMEOUT_S = 600
+#: seconds a peer's child process may take before it is killed (a run takes 10-30 s)
+TIMEOUT_S = 180
+#: the prefix of the line that carries a child's result
+_MARK = "RESULT "
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def measure(peer: str, n: int, calls: int = 500, big: bool = True) -> dict[str, Any]:
-    """Run one peer in a child process; its figures, or ``{"error": ...}``."""
+def measure(peer: str, n: int, calls: int = 2000, big: bool = True) -> dict[str, Any]:
+    """Run one peer in a child process; its figures, or ``{"error": ...}``.
+
+    The child leads a session of its own: whatever the peer started (Ray's
+    raylet, GCS and agents; Monarch's host agent) is killed with it, after it
+    exits or at the timeout.
+    """
     cmd = [sys.executable, "-m", "benchmarks.actor_peers", peer, str(n), str(calls)]
     if not big:
         cmd.append("--no-big")
-    env = dict(os.environ, RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)  # a local instance of its own, never a running cluster
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=_ROOT, start_new_session=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return {"error": f"{peer} did not finish within {TIMEOUT_S} s"}
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-    return {"error": f"{peer} exited with {r.returncode}: {' | '.join(tail)}"}
+        _kill_session(proc.pid)
+        proc.communicate()
+        return {"error": f"{peer} did not finish within {TIMEOUT_S} s (killed)"}
+    _kill_session(proc.pid)
+    text = out.decode(errors="replace")
+    for line in reversed(text.splitlines()):
+        if line.startswith(_MARK):
+            try:
+                return json.loads(line[len(_MARK):])
+            except ValueError as e:
+                return {"error": f"{peer} printed an unreadable result: {e}"}
+    rc = proc.returncode
+    why = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with {rc}"
+    tail = err.decode(errors="replace").strip().splitlines()[-3:]
+    return {"error": f"{peer} {why} without a result: {' | '.join(tail)}"}
+
+
+def _kill_session(sid: int) -> None:
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing of it left
+        pass
 
 
 def _best_gbps(fn: Any, nbytes: int, times: int = 3) -> float:
@@ -80,17 +111,17 @@ def _ray(n: int, calls: int, big: bool) -> dict[str, Any]:
             return _best_gbps(lambda: ray.get(other.sum.remote(t)), nbytes)
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
     try:
+        ray.init(address="local", num_cpus=n, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
         actors = [Bench.remote() for _ in range(n)]
         ray.get([a.noop.remote() for a in actors])
         out: dict[str, Any] = {"spawn_s": time.perf_counter() - t0}
         one = actors[0]
-        lat = latencies_us(lambda: ray.get(one.noop.remote()), calls, warmup=50)
+        lat = latencies_us(lambda: ray.get(one.noop.remote()), calls)
         out.update(call_p50_us=p50(lat), call_p99_us=p99(lat))
         out["bcast_p50_us"] = p50(latencies_us(
-            lambda: ray.get([a.noop.remote() for a in actors]), max(100, calls // 4)))
+            lambda: ray.get([a.noop.remote() for a in actors]), max(200, calls // 4)))
         out["calls_per_s"] = max(_ray_pipelined(ray, one) for _ in range(3))
         if big:
             import torch
@@ -146,10 +177,10 @@ def _torchmonarch(n: int, calls: int, big: bool) -> dict[str, Any]:
         actors.noop.call().get()
         out: dict[str, Any] = {"spawn_s": time.perf_counter() - t0}
         one = actors.slice(procs=0)
-        lat = latencies_us(lambda: one.noop.call_one().get(), calls, warmup=50)
+        lat = latencies_us(lambda: one.noop.call_one().get(), calls)
         out.update(call_p50_us=p50(lat), call_p99_us=p99(lat))
         out["bcast_p50_us"] = p50(latencies_us(lambda: actors.noop.call().get(),
-                                               max(100, calls // 4)))
+                                               max(200, calls // 4)))
         best = 0.0
         for _ in range(3):
             t1 = time.perf_counter()
@@ -190,7 +221,7 @@ def main(argv: list[str]) -> int:
         out = fn(n, calls, big)
     except Exception as e:  # noqa: BLE001 - reported in the JSON, the suite goes on
         out = {"error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(out), flush=True)
+    print(_MARK + json.dumps(out), flush=True)
     return 0
 
 

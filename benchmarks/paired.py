@@ -28,7 +28,6 @@ from .ours import Bench
 from .raw_zmq import RawMesh
 from .stats import latencies_us, p50, p99
 
-
 #: seconds of idleness before each call of ``call_idle_p50_us``
 IDLE_S = 0.0015
 

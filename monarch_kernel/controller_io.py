@@ -14,21 +14,24 @@ never letting 50 ms pass without a step.
 A caller that leads looks for its reply on the ROUTER for up to ``spin_s``
 (100 us by default, ``MONARCH_SPIN_US``) before it sleeps in poll(2): a reply
 that comes within that time is read without the thread going to sleep and
-being woken (about 60 us of a no-op call's round trip on a 2-core VM). This
-is the bounded "spin, then block" of MPI progress engines and of Linux's
+being woken (about 60 us of a no-op call's round trip on a 2-core VM). This is
+the bounded "spin, then block" of MPI progress engines and of Linux's
 ``busy_poll``. Between two looks the spinning thread yields its core
-(``sched_yield(2)``, which also lets other Python threads take the GIL): a
-thread it woke, ZeroMQ's I/O thread carrying the request out above all, may
-have been queued behind it on the same core. Without the yield, a call after
-1.5 ms of idleness took about the spin's 100 us longer with the spin than
-without it (404 against 303 us on 2 cores, as if the request waited for the
-spin to end); with the yield it takes 192-197 us. It spins only after a message was sent, or one came in on
-the ROUTER, since the last spin (output read from a worker's pipe does not
-count), at most MAX_MISSES spins in a row that find nothing, and only with
-at least 2 cores and no more busy local ranks than cores (``busy`` meaning
-a request of this controller is pending there, not measured CPU). So a
-wait costs at most ``spin_s`` of CPU per message sent or received, never
-more while nothing comes; ``MONARCH_SPIN_US=0`` turns it off.
+(``sched_yield(2)``, keeping the GIL): a thread it woke, ZeroMQ's I/O thread
+carrying the request out above all, may have been queued behind it on the same
+core. On 2 cores, a call after 1.5 ms of idleness took 397-418 us with a spin
+that did not yield, 292-314 us with no spin, and 189-220 us with the yielding
+spin. A yield that keeps the core away for CONTENDED_S (1 ms: another task is
+runnable on the caller's core, and each yield could cost its whole time slice)
+ends the spin and turns it off for CONTENDED_OFF_S (1 s): with a CPU-bound
+process on the caller's core, calls took 2.4-4 ms with the yielding spin
+before this rule, and 168-187 us with it. It spins only after a message was
+sent, or one came in on the ROUTER, since the last spin (output read from a
+worker's pipe does not count), at most MAX_MISSES spins in a row that find
+nothing, and only with at least 2 cores and no more busy local ranks than
+cores (``busy`` meaning a request of this controller is pending there, not
+measured CPU). So a wait costs at most ``spin_s`` of CPU per message sent or
+received, never more while nothing comes; ``MONARCH_SPIN_US=0`` turns it off.
 
 :class:`ControllerIO` is a mixin of :class:`~monarch_kernel.controller.Controller`
 and uses its sockets, registry and locks.
@@ -41,6 +44,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import zmq
 
@@ -77,9 +81,31 @@ def spin_seconds(environ: Mapping[str, str] = os.environ) -> float:
     return us / 1e6
 
 
-#: what the spin calls between two looks: give the core to any thread that waits
-#: for it (and the GIL to other Python threads); see the module docstring
-_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+#: a yield that kept the core from the spinning caller this long (seconds) means
+#: another task was runnable on its core; the spin is then off for CONTENDED_OFF_S
+CONTENDED_S = 0.001
+#: seconds the spin stays off after such a yield
+CONTENDED_OFF_S = 1.0
+
+
+def _gil_keeping_yield() -> Any:
+    """``sched_yield(2)``, called through :class:`ctypes.PyDLL` so that the GIL
+    stays held: the spin gives its core away, not the GIL (``os.sched_yield``
+    releases it, and a CPU-bound Python thread of the kernel then keeps it for a
+    whole switch interval, 5 ms). Falls back to ``os.sched_yield``."""
+    try:
+        import ctypes
+
+        fn = ctypes.PyDLL(None).sched_yield
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        return fn
+    except (OSError, AttributeError, ImportError):
+        return getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+#: what the spin calls between two looks (see the module docstring)
+_yield = _gil_keeping_yield()
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -220,7 +246,7 @@ class ControllerIO:
             if left <= 0:
                 return False
             if (self._spin_next and self.spin_s and self._spin_misses < MAX_MISSES
-                    and self._core_to_spare()):
+                    and self._core_to_spare() and time.monotonic() >= self._spin_off_until):
                 self._spin_next = False
                 if self._spin(min(self.spin_s, left)):
                     self._spin_misses = 0
@@ -253,14 +279,22 @@ class ControllerIO:
 
     def _spin(self, seconds: float) -> bool:
         """Look for a message on the ROUTER for up to ``seconds`` (the leader),
-        yielding the core between looks; True if one came."""
+        yielding the core between looks; True if one came. A yield that kept
+        the core away for CONTENDED_S or more (another task is runnable on this
+        core: each yield may cost its whole time slice) ends the spin and turns
+        it off for CONTENDED_OFF_S."""
         router = self.router
-        end = time.perf_counter() + seconds
+        clock = time.perf_counter
+        end = clock() + seconds
         try:
             while not has_input(router):
-                if time.perf_counter() >= end:
+                now = clock()
+                if now >= end:
                     return False
                 _yield()
+                if clock() - now >= CONTENDED_S:
+                    self._spin_off_until = time.monotonic() + CONTENDED_OFF_S
+                    return has_input(router)
         except zmq.ZMQError:  # closed meanwhile: the step that follows sees it
             return False
         return True

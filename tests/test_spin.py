@@ -115,24 +115,60 @@ def test_output_read_from_pipes_does_not_spin(sleeper, monkeypatch) -> None:
 
 def test_the_spin_yields_between_looks(sleeper, monkeypatch) -> None:
     """Between two looks at the ROUTER the spinning caller gives its core away
-    (a thread it woke may wait behind it) and the GIL with it."""
+    (a thread it woke may wait behind it)."""
     from monarch_kernel import controller_io
 
     pm, one = sleeper
     ctl = pm.controller
     monkeypatch.setattr(ctl, "_cores", 8)  # (whatever this machine has)
+    looks: list[int] = []
     yields: list[int] = []
-    real = controller_io._yield
+    real_look, real_yield = controller_io.has_input, controller_io._yield
+
+    def look(sock) -> bool:
+        looks.append(threading.get_ident())
+        return real_look(sock)
 
     def counted() -> None:
         yields.append(threading.get_ident())
-        real()
+        real_yield()
 
+    monkeypatch.setattr(controller_io, "has_input", look)
     monkeypatch.setattr(controller_io, "_yield", counted)
     ctl.spin_s = 0.002  # a fruitless 2 ms spin: the reply takes 50 ms
     assert one.nap.call_one(0.05).get(timeout=30) == 0.05
-    assert len(yields) > 10, f"{len(yields)} yields in a 2 ms spin"
+    assert yields, "the spin never yielded"
+    # one yield between each two looks (one more if a yield lost the core: see below)
+    assert len(looks) - 1 <= len(yields) <= len(looks), (len(looks), len(yields))
     assert set(yields) == {threading.get_ident()}  # (the caller led and spun)
+
+
+def test_a_yield_that_loses_the_core_turns_the_spin_off(sleeper, monkeypatch) -> None:
+    """A yield that kept the core away for CONTENDED_S (another task runnable on
+    the caller's core: each yield could cost its whole time slice) ends the
+    spin, and no wait spins for CONTENDED_OFF_S."""
+    from monarch_kernel import controller_io
+
+    pm, one = sleeper
+    ctl = pm.controller
+    monkeypatch.setattr(ctl, "_cores", 8)
+    monkeypatch.setattr(controller_io, "_yield",
+                        lambda: time.sleep(controller_io.CONTENDED_S * 2))
+    spins = _count_spins(ctl, monkeypatch)
+    ctl.spin_s = 0.05
+    t0 = time.monotonic()
+    assert one.nap.call_one(0.2).get(timeout=30) == 0.2
+    assert len(spins) == 1, spins
+    assert ctl._spin_off_until >= t0 + controller_io.CONTENDED_OFF_S
+    spins.clear()
+    for _ in range(20):
+        one.noop.call_one().get(timeout=30)
+    if time.monotonic() < ctl._spin_off_until:
+        assert not spins, f"{len(spins)} spins while the spin was off"
+    ctl._spin_off_until = 0.0  # the cool-down over: spins again
+    for _ in range(20):
+        one.noop.call_one().get(timeout=30)
+    assert spins, "no spin after the cool-down"
 
 
 def test_spin_off_still_answers(sleeper, monkeypatch) -> None:
