@@ -127,7 +127,7 @@ def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[st
         try:
             noop = procs.spawn("bench", Bench).noop
             out[f"bcast_p50_us_n{n}"] = p50(
-                latencies_us(lambda noop=noop: noop.call().get(), calls, warmup=20))
+                latencies_us(lambda noop=noop: noop.call().get(), calls, warmup=100))
         finally:
             procs.stop()
     return out

@@ -179,7 +179,7 @@ def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[st
     for n in sizes:
         m = RawMesh(n)
         try:
-            out[f"bcast_p50_us_n{n}"] = p50(latencies_us(m.bcast, calls, warmup=20))
+            out[f"bcast_p50_us_n{n}"] = p50(latencies_us(m.bcast, calls, warmup=100))
         finally:
             m.close()
     return out
