@@ -136,7 +136,9 @@ def table(result: dict[str, Any]) -> str:
                 lines.append(
                     f"  call_p50_us with the controller's spin off (MONARCH_SPIN_US=0): "
                     f"{pr['monarch_kernel']['call_p50_us_spin_off']:,.0f} us = "
-                    f"{pr['ratio_to_raw']['call_p50_us_spin_off']:.2f}x raw")
+                    f"{pr['ratio_to_raw']['call_p50_us_spin_off']:.2f}x raw"
+                    + (f" (the spin turned itself off {pr['spin_contended']} times: a core "
+                       "was contended)" if pr.get("spin_contended") else ""))
             if "call_idle_p50_us" in pr["monarch_kernel"]:
                 lines.append(
                     f"  call_p50_us after {paired.IDLE_S * 1e3:g} ms idle: "

@@ -2,10 +2,10 @@
 
 Each peer runs in a child process of its own, in a session of its own
 (``python -m benchmarks.actor_peers ray|torchmonarch N CALLS [--no-big]``,
-which prints one result line), so its runtime (Ray's raylet and object
-store, Monarch's Rust actor runtime and host agent) neither shares the
-benchmark's process with ours nor outlives the measurement: the session is
-killed once the child exits, or at its timeout. The sample counts are ours
+which prints a result line), so its runtime (Ray's raylet and object store,
+Monarch's Rust actor runtime and host agent) neither shares the benchmark's
+process with ours nor outlives the measurement: every process of the session
+is killed once the child exits, or at its timeout. The sample counts are ours
 (:func:`.ours.measure`): CALLS calls after 100 of warm-up, a quarter of that
 (at least 200) broadcasts.
 
@@ -44,9 +44,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def measure(peer: str, n: int, calls: int = 2000, big: bool = True) -> dict[str, Any]:
     """Run one peer in a child process; its figures, or ``{"error": ...}``.
 
-    The child leads a session of its own: whatever the peer started (Ray's
-    raylet, GCS and agents; Monarch's host agent) is killed with it, after it
-    exits or at the timeout.
+    The child leads a session of its own. Whatever the peer started (Ray's
+    raylet, GCS, agents and workers; Monarch's host agent and procs, which
+    put themselves in process groups of their own) stays in that session and
+    is killed with it, after the child exits or at the timeout. The child
+    prints its result before the peer's own shutdown, so a shutdown that
+    hangs loses no measurement.
     """
     cmd = [sys.executable, "-m", "benchmarks.actor_peers", peer, str(n), str(calls)]
     if not big:
@@ -55,31 +58,65 @@ def measure(peer: str, n: int, calls: int = 2000, big: bool = True) -> dict[str,
     env.pop("RAY_ADDRESS", None)  # a local instance of its own, never a running cluster
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             cwd=_ROOT, start_new_session=True)
+    timed_out = False
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        timed_out = True
         _kill_session(proc.pid)
-        proc.communicate()
-        return {"error": f"{peer} did not finish within {TIMEOUT_S} s (killed)"}
-    _kill_session(proc.pid)
-    text = out.decode(errors="replace")
-    for line in reversed(text.splitlines()):
+        try:  # (what it printed so far is kept: see subprocess.Popen.communicate)
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process that left the session holds the pipes
+            proc.kill()
+            for f in (proc.stdout, proc.stderr):
+                if f is not None:
+                    f.close()
+            proc.wait()
+            out, err = b"", b""
+    finally:
+        _kill_session(proc.pid)
+    for line in out.decode(errors="replace").splitlines():  # the first result line
         if line.startswith(_MARK):
             try:
                 return json.loads(line[len(_MARK):])
             except ValueError as e:
                 return {"error": f"{peer} printed an unreadable result: {e}"}
+    if timed_out:
+        return {"error": f"{peer} did not finish within {TIMEOUT_S} s (killed)"}
     rc = proc.returncode
-    why = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with {rc}"
+    why = f"exited with {rc}"
+    if rc < 0:
+        try:
+            why = f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            why = f"was killed by signal {-rc}"
     tail = err.decode(errors="replace").strip().splitlines()[-3:]
     return {"error": f"{peer} {why} without a result: {' | '.join(tail)}"}
 
 
-def _kill_session(sid: int) -> None:
-    try:
-        os.killpg(sid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # nothing of it left
-        pass
+def _kill_session(sid: int, timeout: float = 5.0) -> None:
+    """SIGKILL every process of session ``sid`` until none is left (or ``timeout``
+    seconds passed); whatever process group each is in."""
+    deadline = time.monotonic() + timeout
+    me = os.getpid()
+    while True:
+        left = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                if os.getsid(int(name)) == sid:
+                    left.append(int(name))
+            except OSError:  # gone meanwhile
+                continue
+        if not left or time.monotonic() > deadline:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
 
 
 def _best_gbps(fn: Any, nbytes: int, times: int = 3) -> float:
@@ -131,6 +168,7 @@ def _ray(n: int, calls: int, big: bool) -> dict[str, Any]:
             if n > 1:
                 out["p2p_gbps"] = ray.get(actors[0].send_to.remote(actors[1], 64 * MiB))
         out["version"] = ray.__version__
+        _emit(out)  # before the shutdown: one that hangs loses nothing
         return out
     finally:
         ray.shutdown()
@@ -199,6 +237,7 @@ def _torchmonarch(n: int, calls: int, big: bool) -> dict[str, Any]:
                 out["p2p_gbps"] = sender.send_to.call_one(actors.slice(procs=1),
                                                           64 * MiB).get()
         out["version"] = getattr(monarch, "__version__", None) or _dist_version("torchmonarch")
+        _emit(out)  # before the shutdown: one that hangs loses nothing
         return out
     finally:
         procs.stop().get()
@@ -218,11 +257,14 @@ def main(argv: list[str]) -> int:
     big = "--no-big" not in argv
     fn = {"ray": _ray, "torchmonarch": _torchmonarch}[peer]
     try:
-        out = fn(n, calls, big)
+        fn(n, calls, big)  # (prints its result line itself, before its shutdown)
     except Exception as e:  # noqa: BLE001 - reported in the JSON, the suite goes on
-        out = {"error": f"{type(e).__name__}: {e}"}
-    print(_MARK + json.dumps(out), flush=True)
+        _emit({"error": f"{type(e).__name__}: {e}"})  # (the first result line counts)
     return 0
+
+
+def _emit(out: dict[str, Any]) -> None:
+    print(_MARK + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

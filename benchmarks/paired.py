@@ -8,7 +8,9 @@ with like. Figures: ``call_p50_us``, ``call_p99_us`` (one worker) and
 ``bcast_p50_us`` (all N, gathered), each side, and ours / raw; and ours
 with the controller's spin off (``call_p50_us_spin_off``; see
 :mod:`monarch_kernel.controller_io`), so the ratio shows what the spin is
-worth: the raw echo blocks in ``recv`` and never spins.
+worth: the raw echo blocks in ``recv`` and never spins. Each block starts
+with the spin as set, and ``spin_contended`` counts the times the spin
+turned itself off in a block (a yield that lost the core for 1 ms).
 
 ``call_idle_p50_us``: a no-op call after ``IDLE_S`` (1.5 ms) of idleness,
 each side, in the same alternating blocks. Back-to-back calls keep every
@@ -68,11 +70,14 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         lat: dict[tuple[str, str], list[float]] = {k: [] for k in [*fns, *idle]}
         for k, fn in fns.items():
             latencies_us(fn, 1, warmup=100)
+        contended = ctl.spin_contended
         for _ in range(max(1, calls // block)):
             for k, fn in fns.items():
                 ctl.spin_s = 0.0 if k[1] == "call_nospin" else spin
+                ctl._spin_off_until = 0.0  # (each block starts with the spin as set)
                 lat[k] += latencies_us(fn, block, warmup=3)
             ctl.spin_s = spin
+            ctl._spin_off_until = 0.0
             for k, timed in idle.items():
                 lat[k] += [timed() for _ in range(max(1, block // 4))]
         ctl.spin_s = spin
@@ -88,6 +93,9 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         out["monarch_kernel"]["call_p50_us_spin_off"] = nospin
         out["ratio_to_raw"]["call_p50_us_spin_off"] = nospin / out["raw_pyzmq"]["call_p50_us"]
         out["spin_us"] = spin * 1e6
+        # times a yield lost the core for 1 ms and turned the spin off for 1 s (a
+        # block then ran partly without it; see monarch_kernel.controller_io)
+        out["spin_contended"] = ctl.spin_contended - contended
         return out
     finally:
         procs.stop()

@@ -89,6 +89,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self._spin_next = True  # sent, or read on the ROUTER, since the last spin
         self._spin_misses = 0  # spins in a row that found nothing (controller_io)
         self._spin_off_until = 0.0  # a contended core turned the spin off (controller_io)
+        #: how many times a contended core turned the spin off (controller_io)
+        self.spin_contended = 0
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         self.key = key or protocol.new_key()

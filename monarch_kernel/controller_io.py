@@ -100,7 +100,7 @@ def _gil_keeping_yield() -> Any:
         fn.restype = ctypes.c_int
         fn.argtypes = []
         return fn
-    except (OSError, AttributeError, ImportError):
+    except (OSError, AttributeError, ImportError, TypeError):  # (TypeError: Windows)
         return getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
@@ -294,6 +294,7 @@ class ControllerIO:
                 _yield()
                 if clock() - now >= CONTENDED_S:
                     self._spin_off_until = time.monotonic() + CONTENDED_OFF_S
+                    self.spin_contended += 1
                     return has_input(router)
         except zmq.ZMQError:  # closed meanwhile: the step that follows sees it
             return False
