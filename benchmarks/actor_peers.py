@@ -31,7 +31,9 @@ import sys
 import time
 from typing import Any
 
-from .stats import latencies_us, p50, p99
+import psutil
+
+from .stats import best_gbps, best_of, latencies_us, p50, p99
 
 MiB = 1 << 20
 #: seconds a peer's child process may take before it is killed (a run takes 10-30 s)
@@ -101,12 +103,10 @@ def _kill_session(sid: int, timeout: float = 5.0) -> None:
     me = os.getpid()
     while True:
         left = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == me:
-                continue
+        for pid in psutil.pids():
             try:
-                if os.getsid(int(name)) == sid:
-                    left.append(int(name))
+                if pid != me and os.getsid(pid) == sid:
+                    left.append(pid)
             except OSError:  # gone meanwhile
                 continue
         if not left or time.monotonic() > deadline:
@@ -117,16 +117,6 @@ def _kill_session(sid: int, timeout: float = 5.0) -> None:
             except OSError:
                 pass
         time.sleep(0.05)
-
-
-def _best_gbps(fn: Any, nbytes: int, times: int = 3) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(times):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 # --------------------------------------------------------------------- Ray
@@ -145,7 +135,7 @@ def _ray(n: int, calls: int, big: bool) -> dict[str, Any]:
             import torch
 
             t = torch.ones(nbytes // 4)
-            return _best_gbps(lambda: ray.get(other.sum.remote(t)), nbytes)
+            return best_gbps(lambda: ray.get(other.sum.remote(t)), nbytes)
 
     t0 = time.perf_counter()
     try:
@@ -159,12 +149,12 @@ def _ray(n: int, calls: int, big: bool) -> dict[str, Any]:
         out.update(call_p50_us=p50(lat), call_p99_us=p99(lat))
         out["bcast_p50_us"] = p50(latencies_us(
             lambda: ray.get([a.noop.remote() for a in actors]), max(200, calls // 4)))
-        out["calls_per_s"] = max(_ray_pipelined(ray, one) for _ in range(3))
+        out["calls_per_s"] = best_of(lambda: _ray_pipelined(ray, one), 3)
         if big:
             import torch
 
             t = torch.ones(64 * MiB // 4)
-            out["tensor_gbps"] = _best_gbps(lambda: ray.get(one.sum.remote(t)), 64 * MiB)
+            out["tensor_gbps"] = best_gbps(lambda: ray.get(one.sum.remote(t)), 64 * MiB)
             if n > 1:
                 out["p2p_gbps"] = ray.get(actors[0].send_to.remote(actors[1], 64 * MiB))
         out["version"] = ray.__version__
@@ -231,7 +221,7 @@ def _torchmonarch(n: int, calls: int, big: bool) -> dict[str, Any]:
             import torch
 
             t = torch.ones(64 * MiB // 4)
-            out["tensor_gbps"] = _best_gbps(lambda: one.sum.call_one(t).get(), 64 * MiB)
+            out["tensor_gbps"] = best_gbps(lambda: one.sum.call_one(t).get(), 64 * MiB)
             if n > 1:
                 sender = procs.spawn("sender", Sender).slice(procs=0)
                 out["p2p_gbps"] = sender.send_to.call_one(actors.slice(procs=1),

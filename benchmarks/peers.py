@@ -7,7 +7,7 @@ import importlib.util
 import time
 from typing import Any
 
-from .stats import latencies_us, p50, p99
+from .stats import best_gbps, latencies_us, p50, p99
 
 MiB = 1 << 20
 
@@ -46,13 +46,7 @@ def ipyparallel(n: int, calls: int = 500, big: bool = True) -> dict[str, float]:
             import torch
 
             t = torch.ones(64 * MiB // 4)
-            one.apply_sync(_sum, t)
-            best = 0.0
-            for _ in range(3):
-                t1 = time.perf_counter()
-                one.apply_sync(_sum, t)
-                best = max(best, 64 * MiB / (time.perf_counter() - t1) / 1e9)
-            out["tensor_gbps"] = best
+            out["tensor_gbps"] = best_gbps(lambda: one.apply_sync(_sum, t), 64 * MiB)
         return out
     finally:
         cluster.stop_cluster_sync()

@@ -32,3 +32,16 @@ def p99(xs: list[float]) -> float:
 def best_of(fn: Callable[[], float], times: int) -> float:
     """The best (largest) of ``times`` throughput measurements."""
     return max(fn() for _ in range(times))
+
+
+def best_gbps(fn: Callable[[], object], nbytes: int, times: int = 3) -> float:
+    """GB/s of the fastest of ``times`` calls of ``fn`` moving ``nbytes``, after
+    one call to warm up."""
+    fn()
+    clock = time.perf_counter
+    best = float("inf")
+    for _ in range(times):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return nbytes / best / 1e9
