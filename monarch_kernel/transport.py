@@ -30,8 +30,8 @@ import zmq
 
 from .errors import TransportError
 
-__all__ = ["Outbox", "bind_router", "connect_dealer", "drain", "has_input", "inproc_pair", "is_loopback",
-           "send_frames"]
+__all__ = ["Outbox", "bind_router", "connect_dealer", "drain", "has_input", "inproc_pair",
+           "is_loopback", "send_frames"]
 
 _counter = itertools.count()
 
