@@ -8,7 +8,10 @@ worker, never read; any thread sends on it under ``_down_lock``, so a request
 leaves without a hand-off). Every worker connects a DEALER to each, with one
 routing identity ``r<rank>.<random>``; the controller routes to the identity
 that carried the rank's signed ``hello`` and drops messages from any other
-connection. Requests carry a message id; replies, output and rich display
+connection. A worker this controller started on its own host talks through a
+*lane* instead (a Unix socket pair it inherited, :mod:`~monarch_kernel.lane`:
+no ZeroMQ I/O thread on either side), routed the same way: its identity is
+the lane's. Requests carry a message id; replies, output and rich display
 carry that id as their parent and are routed to the :class:`Request` that is
 waiting for them.
 
@@ -43,6 +46,7 @@ from .errors import MeshFailure, ProtocolError, TransportError
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
 from .sigint import DeferredSigint
+from .lane import Lane, lanes_enabled
 from .transport import Outbox, bind_router, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -73,7 +77,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
     ValueError
         If the environment variable ``MONARCH_SPIN_US`` (how long, in
         microseconds, a caller looks for its reply before it sleeps; see
-        :mod:`monarch_kernel.controller_io`) is not a number from 0 to 10000.
+        :mod:`monarch_kernel.controller_io`) is not a number from 0 to 10000,
+        or ``MONARCH_LANES`` (:mod:`monarch_kernel.lane`) is not 0 or 1.
     """
 
     def __init__(
@@ -86,6 +91,12 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
     ) -> None:
         #: seconds a waiting caller looks for its reply before it sleeps (controller_io)
         self.spin_s = spin_seconds()
+        #: local workers talk to this controller through lanes (monarch_kernel.lane)
+        self.use_lanes = lanes_enabled()
+        self._lanes: dict[int, Lane] = {}  # fd -> lane (the thread that leads only)
+        self._lane_of: dict[int, Lane] = {}  # rank -> its current lane
+        self._new_lanes: list[Lane] = []
+        self._lane_poll = select.poll()  # the lanes' fds, for the spin (controller_io)
         self._spin_next = True  # sent, or read on the ROUTER, since the last spin
         self._spin_misses = 0  # spins in a row that found nothing (controller_io)
         self._spin_off_until = 0.0  # a contended core turned the spin off (controller_io)
@@ -171,7 +182,13 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
-                if info.down:
+                lane = self._lane_of.get(r)
+                if lane is not None:
+                    try:
+                        lane.send(frames)
+                    except TransportError as e:  # its process is gone
+                        raise TransportError(f"cannot send to rank {r}: {e}") from e
+                elif info.down:
                     # just after its hello, a rank's second connection may not be
                     # attached yet: wait for it then (never on the I/O thread, never
                     # while stopping)
@@ -517,6 +534,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             req._fail(MeshFailure("the mesh was stopped"))
         self._closed.set()
         self._thread.join(timeout=5)
+        for lane in [*self._lane_of.values(), *self._lanes.values(), *self._new_lanes]:
+            lane.close()
         with self._down_lock:
             self.router_down.close(0)
         self.outbox.close()

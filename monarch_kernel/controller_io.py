@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ from typing import Any
 import zmq
 
 from .errors import MeshFailure, TransportError
+from .lane import Lane
 from .sigint import DeferredSigint
 from .transport import drain, has_input, send_frames
 
@@ -284,10 +286,11 @@ class ControllerIO:
         core: each yield may cost its whole time slice) ends the spin and turns
         it off for CONTENDED_OFF_S."""
         router = self.router
+        lanes = self._lane_poll.poll if self._lanes else None
         clock = time.perf_counter
         end = clock() + seconds
         try:
-            while not has_input(router):
+            while not has_input(router) and not (lanes and lanes(0)):
                 now = clock()
                 if now >= end:
                     return False
@@ -295,7 +298,7 @@ class ControllerIO:
                 if clock() - now >= CONTENDED_S:
                     self._spin_off_until = time.monotonic() + CONTENDED_OFF_S
                     self.spin_contended += 1
-                    return has_input(router)
+                    return has_input(router) or bool(lanes and lanes(0))
         except zmq.ZMQError:  # closed meanwhile: the step that follows sees it
             return False
         return True
@@ -316,15 +319,62 @@ class ControllerIO:
         if self.batches:  # (the coroutine awaits: held calls leave now)
             self.flush_batches()
 
+    def adopt_lane(self, rank: int, sock: Any) -> None:
+        """Take the controller's end of a lane to local worker ``rank``
+        (:mod:`monarch_kernel.lane`; any thread): its messages go that way
+        from now on, and the thread that leads reads it. A lane the rank
+        had before (a restart) is read to its end, then closed."""
+        lane = Lane(sock, f"lane-r{rank}")
+        lane.rank = rank  # type: ignore[attr-defined]
+        # the identity its messages are routed with (learnt from the signed hello)
+        lane.identity = f"lane.{rank}.{sock.fileno()}.{time.monotonic_ns()}".encode()  # type: ignore[attr-defined]
+        with self._lock:
+            self._lane_of[rank] = lane
+            self._new_lanes.append(lane)
+        try:  # wake the I/O thread so it registers it now
+            self.outbox.send([b""])
+        except TransportError:
+            pass
+
+    def _register_lanes(self, poller: zmq.Poller) -> None:
+        with self._lock:
+            new, self._new_lanes = self._new_lanes, []
+        for lane in new:
+            fd = lane.fileno()
+            self._lanes[fd] = lane
+            poller.register(fd, zmq.POLLIN)
+            self._lane_poll.register(fd, select.POLLIN)
+
+    def _read_lane(self, lane: Lane, poller: zmq.Poller) -> None:
+        """Handle what came on ``lane``; close it at its end (the rank exited)."""
+        ident = lane.identity  # type: ignore[attr-defined]
+        for frames in lane.read():
+            try:
+                self._receive([ident, *frames])
+            except Exception:
+                log.exception("the controller dropped a message it could not handle")
+        if lane.eof:
+            fd = lane.fileno()
+            poller.unregister(fd)
+            self._lane_poll.unregister(fd)
+            self._lanes.pop(fd, None)
+            lane.close()
+
     def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
         """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
         (by whichever thread leads)."""
         if self._new_pipes:
             self._register_pipes(poller)
+        if self._new_lanes:
+            self._register_lanes(poller)
         events = dict(poller.poll(timeout_ms))
         self._stepped_at = time.monotonic()
+        lanes = self._lanes
         for fd in [e for e in events if isinstance(e, int) and e in self._pipes]:
             self._read_pipe(self._pipes[fd], poller)
+        for fd in [e for e in events if isinstance(e, int) and e in lanes]:
+            self._read_lane(lanes[fd], poller)
+            self._spin_next = True
         if self.pull in events:
             for frames in drain(self.pull):
                 if len(frames) == 1:  # a wake-up (adopt_pipes, a caller that leads)
@@ -348,6 +398,13 @@ class ControllerIO:
             beat = self.codec.encode("heartbeat")
             for info in list(self.ranks.values()):
                 if info.state not in ("dead", "stopped", "starting") and info.identity:
+                    lane = self._lane_of.get(info.rank)
+                    if lane is not None:
+                        try:
+                            lane.send(beat)
+                        except TransportError:
+                            pass
+                        continue
                     if info.down:
                         self._send_down(info.identity, beat, retry=0)
                         continue

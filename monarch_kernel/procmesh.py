@@ -455,6 +455,8 @@ def spawn_procs(
     ctl.leftover_output = la.leftover_output
     if hasattr(la, "on_pipes"):  # local workers: their output pipes are read here
         la.on_pipes = ctl.adopt_pipes
+    if hasattr(la, "on_lane") and ctl.use_lanes:  # ... and their messages come by lane
+        la.on_lane = ctl.adopt_lane
     la.attach(ctl)
     try:
         la.launch(spec)

@@ -1,5 +1,8 @@
 """ZeroMQ sockets, and the mapping of ``zmq.ZMQError`` to :mod:`errors`.
 
+(Workers that the controller started on its own host use a lane instead,
+:mod:`monarch_kernel.lane`; ZeroMQ carries everything else.)
+
 ZeroMQ sockets are not thread-safe; two patterns keep them safe here:
 
 * a socket that is read is owned by one thread (an I/O thread), the only

@@ -50,6 +50,7 @@ from . import shm as _shm
 from .capture import FdCapture
 from .errors import RemoteError, SerializationError, _ranks_label
 from .serialize import cuda_ipc
+from .lane import Lane
 from .transport import Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
 
@@ -85,6 +86,10 @@ class Worker(WorkerIO):
     down_address : str or None
         The controller's second endpoint (controller -> worker traffic); with
         it, sending and receiving use separate connections.
+    lane_fd : int or None
+        This worker's end of a lane to a controller on this host (a Unix
+        socket it inherited, :mod:`monarch_kernel.lane`): every message to
+        and from the controller then goes through it, not ZeroMQ.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class Worker(WorkerIO):
         heartbeat_timeout: float = 6.0,
         curve_server_key: bytes | None = None,
         down_address: str | None = None,
+        lane_fd: int | None = None,
     ) -> None:
         self.address = address
         self.rank = rank
@@ -115,7 +121,13 @@ class Worker(WorkerIO):
         # a random routing identity: the controller learns it from the signed hello
         ident = f"r{rank}.{secrets.token_hex(8)}".encode()
         self.up: zmq.Socket | None = None
-        if down_address:
+        self.lane: Lane | None = None
+        if lane_fd is not None:  # a controller on this host: no ZeroMQ connection to it
+            sock = socket.socket(fileno=lane_fd)
+            sock.set_inheritable(False)  # (children of user code must not hold it)
+            self.lane = Lane(sock, f"lane-r{rank}")
+            self.dealer = None
+        elif down_address:
             # two connections: `dealer` (controller -> worker) is read by the I/O thread
             # only; `up` (worker -> controller) is written by any thread under a lock,
             # so a reply leaves without a hand-off to the I/O thread
@@ -175,7 +187,9 @@ class Worker(WorkerIO):
         self._send_frames(frames)
 
     def _send_frames(self, frames: list[Any]) -> None:
-        if self.up is not None:
+        if self.lane is not None:
+            self.lane.send(frames)
+        elif self.up is not None:
             with self._up_lock:
                 send_frames(self.up, frames)
         else:
@@ -196,7 +210,7 @@ class Worker(WorkerIO):
         self.send(
             "hello",
             {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-             "down": self.up is not None},
+             "down": self.up is not None or self.lane is not None},
         )
         self.telemetry = telemetry.start(self, self.telemetry_interval)
         while True:
@@ -430,6 +444,9 @@ class Worker(WorkerIO):
             self.capture.drain()
         self.stopping.set()
         self.io_thread.join(timeout=2)
+        if self.lane is not None:
+            self.lane.drain(2.0)  # let the last reply leave
+            self.lane.close()
         if self.up is not None:
             with self._up_lock:
                 self.up.close(linger=2000)  # let the last reply leave
@@ -559,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
         down_address=args.controller_down,
+        lane_fd=int(lane) if (lane := os.environ.pop("MONARCH_LANE_FD", "")) else None,
     )
     w.telemetry_interval = args.telemetry_interval
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers

@@ -46,7 +46,10 @@ class WorkerIO:
 
     def _io_loop(self) -> None:
         self._poller = zmq.Poller()
-        self._poller.register(self.dealer, zmq.POLLIN)
+        if self.lane is not None:
+            self._poller.register(self.lane.fileno(), zmq.POLLIN)
+        else:
+            self._poller.register(self.dealer, zmq.POLLIN)
         self._poller.register(self.pull, zmq.POLLIN)
         self._last_heard = self._last_sent = time.monotonic()
         try:
@@ -64,7 +67,8 @@ class WorkerIO:
             _exit(1)
         finally:
             with self._lead:
-                self.dealer.close(0)
+                if self.dealer is not None:
+                    self.dealer.close(0)
                 self.pull.close(0)
 
     def _flush_stale_replies(self) -> bool:
@@ -122,27 +126,37 @@ class WorkerIO:
             for frames in drain(self.pull):
                 if len(frames) == 1 and not frames[0].buffer.nbytes:
                     continue  # a wake-up (an actor thread that leads)
-                send_frames(self.dealer, frames)
+                if self.lane is not None:
+                    self.lane.send(frames)
+                else:
+                    send_frames(self.dealer, frames)
         if self.stopping.is_set():
             return
-        if self.dealer in events:
-            for frames in drain(self.dealer, small=1):  # [envelope, buffers...]
-                try:
-                    msg = self.codec.decode(frames, lazy=True)
-                except ProtocolError as e:
-                    log.warning("rank %d dropped a message: %s", self.rank, e)
-                    continue
-                self._last_heard = time.monotonic()
-                try:
-                    self._dispatch(msg)
-                except Exception:
-                    log.exception("rank %d dropped a message it could not dispatch "
-                                  "(%s)", self.rank, msg.type)
+        if self.lane is not None:
+            incoming = self.lane.read() if events.get(self.lane.fileno()) else []
+        else:
+            incoming = drain(self.dealer, small=1) if self.dealer in events else ()
+        for frames in incoming:  # [envelope, buffers...]
+            try:
+                msg = self.codec.decode(frames, lazy=True)
+            except ProtocolError as e:
+                log.warning("rank %d dropped a message: %s", self.rank, e)
+                continue
+            self._last_heard = time.monotonic()
+            try:
+                self._dispatch(msg)
+            except Exception:
+                log.exception("rank %d dropped a message it could not dispatch "
+                              "(%s)", self.rank, msg.type)
+        if self.lane is not None and self.lane.eof and not self.stopping.is_set():
+            log.warning("rank %d: the controller closed its lane (it is gone); exiting",
+                        self.rank)
+            _exit(0)
         now = time.monotonic()
         if now - self._last_sent >= self.heartbeat:
             self._last_sent = now
             beat = self.codec.encode("heartbeat")
-            if self.up is not None:
+            if self.up is not None or self.lane is not None:
                 self._send_frames(beat)
             else:
                 send_frames(self.dealer, beat)

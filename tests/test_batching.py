@@ -17,6 +17,7 @@ import pytest
 
 from monarch_kernel import Actor, MeshFailure, batching, endpoint
 from monarch_kernel.controller import Controller
+from monarch_kernel.errors import TransportError
 from monarch_kernel.procmesh import spawn_procs
 from monarch_kernel.testing import wait_for, worker_pids
 
@@ -211,8 +212,18 @@ def test_a_callback_of_a_failed_batch_does_not_overtake_held_calls(monkeypatch):
         monkeypatch.setattr(ctl.ranks[0], "hello_at", 0.0)  # (no retry of the send)
         os.kill(ctl.ranks[0].pid, signal.SIGKILL)
         beat = ctl.codec.encode("heartbeat")
-        wait_for(lambda: not ctl._send_down(ctl.ranks[0].identity, beat, retry=0), 10,
-                 what="rank 0's connection gone")
+
+        def connection_gone() -> bool:
+            lane = ctl._lane_of.get(0)  # (a local rank's lane, monarch_kernel.lane)
+            if lane is None:
+                return not ctl._send_down(ctl.ranks[0].identity, beat, retry=0)
+            try:
+                lane.send(beat)
+            except TransportError:
+                return True
+            return False
+
+        wait_for(connection_gone, 10, what="rank 0's connection gone")
         monkeypatch.setattr(batching, "MIN_PENDING", 0)  # every call is held ...
         monkeypatch.setattr(batching, "HOLD_S", 60.0)  # ... until someone waits
         doomed = r0.record.call_one("lost")

@@ -170,15 +170,20 @@ def _sniff_a_cell(m, token: str) -> tuple[bytes, int]:
     return data, sniffer.packets
 
 
-def test_beyond_loopback_traffic_is_encrypted(capfd):
+def test_beyond_loopback_traffic_is_encrypted(capfd, monkeypatch):
     """bind=<eth0 address>: the ROUTER is a CurveZMQ server, the workers are
     CURVE clients, and a sniffer on the wire sees none of the code, output or
     results; with encrypt=False the same sniffer sees them in clear (so it does
-    look at the right traffic), and a warning says so."""
+    look at the right traffic), and a warning says so.
+
+    The local workers here stand in for workers on other hosts, so they use
+    ZeroMQ too (``MONARCH_LANES=0``): with lanes, the default, local workers
+    send nothing over the network at all."""
     import secrets
 
     from monarch_kernel.procmesh import spawn_procs
 
+    monkeypatch.setenv("MONARCH_LANES", "0")
     addr = _non_loopback_address()
     token = "tok" + secrets.token_hex(8)
     m = spawn_procs(2, bind=addr, timeout=30)

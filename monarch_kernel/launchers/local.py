@@ -9,6 +9,7 @@ import subprocess
 import threading
 from typing import Any
 
+from .. import lane
 from .base import (
     Launcher,
     LaunchSpec,
@@ -38,6 +39,9 @@ class LocalLauncher(Launcher):
         #: set by the controller: callable(rank, stdout_fd, stderr_fd) taking the
         #: read ends of each new worker's output pipes
         self.on_pipes: Any = None
+        #: set by the controller when local workers get lanes: callable(rank, socket)
+        #: taking the controller's end of each new worker's lane (monarch_kernel.lane)
+        self.on_lane: Any = None
         self._reported: set[int] = set()
         self._lock = threading.Lock()
         self.host = socket.gethostname()
@@ -64,15 +68,26 @@ class LocalLauncher(Launcher):
             else:
                 env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
                 keep = (r1, r2, log_fd)
+            ours = theirs = None
+            if self.on_lane is not None:  # this rank's messages go through a socket pair
+                ours, theirs = lane.pair()
+                env["MONARCH_LANE_FD"] = str(theirs.fileno())
+                keep = (*keep, theirs.fileno())
             try:
                 proc = subprocess.Popen(
                     worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
                     stdout=w1, stderr=w2, pass_fds=keep, start_new_session=True,
                 )
+            except BaseException:
+                if ours is not None:
+                    ours.close()
+                raise
             finally:
                 os.close(w1)
                 os.close(w2)
                 os.close(log_fd)
+                if theirs is not None:
+                    theirs.close()
             os.set_blocking(r1, False)
             os.set_blocking(r2, False)
             with self._lock:
@@ -87,6 +102,8 @@ class LocalLauncher(Launcher):
                     self.pipes[rank] = (r1, r2)
             if self.on_pipes is not None:
                 self.on_pipes(rank, r1, r2)  # the controller owns (and closes) them now
+            if ours is not None:
+                self.on_lane(rank, ours)  # (and this one)
 
     def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
         """What a dead rank wrote that its own reader never forwarded."""

@@ -1,0 +1,261 @@
+"""Lanes: the Unix socket pair between a controller and a local worker.
+
+The framing is tested on real socket pairs (small and large messages, frames
+of every buffer kind, back-pressure in both directions at once, the end of
+the other side); the mesh tests check that local workers use lanes, that a
+rank's death and restart go through them, and that ``MONARCH_LANES=0``
+falls back to ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+import zmq
+
+from monarch_kernel import Actor, endpoint
+from monarch_kernel.errors import TransportError
+from monarch_kernel.lane import Lane, lanes_enabled, pair
+from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.testing import wait_for, worker_pids
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
+
+
+def _lanes() -> tuple[Lane, Lane]:
+    a, b = pair()
+    return Lane(a, "a"), Lane(b, "b")
+
+
+def _read(lane: Lane, count: int, timeout: float = 10.0) -> list[list[bytes]]:
+    """``count`` messages from ``lane``, waiting for them (at most ``timeout`` s)."""
+    import select
+
+    p = select.poll()
+    p.register(lane.fileno(), select.POLLIN)
+    got: list[list[bytes]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {len(got)} of {count} messages arrived"
+        if p.poll(min(left, 0.1) * 1000):
+            got.extend(lane.read())
+        assert not lane.eof or len(got) >= count, "the other end closed early"
+    return got
+
+
+def test_lanes_enabled_reads_the_environment() -> None:
+    assert lanes_enabled({}) is True
+    assert lanes_enabled({"MONARCH_LANES": "1"}) is True
+    assert lanes_enabled({"MONARCH_LANES": " 0 "}) is False
+    with pytest.raises(ValueError, match="MONARCH_LANES must be 0"):
+        lanes_enabled({"MONARCH_LANES": "yes"})
+
+
+def test_small_messages_keep_their_frames_and_order() -> None:
+    a, b = _lanes()
+    try:
+        msgs = [[b"env%d" % i, b"", b"x" * i] for i in range(200)]
+        for m in msgs:
+            a.send(m)
+        assert _read(b, 200) == msgs
+        b.send([b"back"])
+        assert _read(a, 1) == [[b"back"]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_frames_of_every_buffer_kind() -> None:
+    a, b = _lanes()
+    try:
+        arr = np.arange(1000, dtype=np.float32).reshape(10, 100)
+        frame = zmq.Frame(b"a zmq frame")
+        a.send([b"head", memoryview(b"view"), bytearray(b"ba"), arr, frame])
+        (got,) = _read(b, 1)
+        assert got[:4] == [b"head", b"view", b"ba", arr.tobytes()]
+        assert got[4] == b"a zmq frame"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_large_messages_both_ways_at_once_do_not_deadlock() -> None:
+    """Each side sends far more than the sockets buffer before it reads: the
+    sends must return (the rest queued for the flusher), and everything must
+    arrive whole and in order."""
+    a, b = _lanes()
+    try:
+        big = [np.full(3 << 20, i, dtype=np.uint8) for i in range(6)]  # 6 x 3 MiB
+        t0 = time.monotonic()
+        for i, x in enumerate(big):
+            a.send([b"m%d" % i, x])
+            b.send([b"m%d" % i, x])
+            a.send([b"small%d" % i])  # behind the big one, never ahead of it
+        assert time.monotonic() - t0 < 5, "a send blocked"
+        got_b = _read(b, 12, timeout=30)
+        got_a = _read(a, 6, timeout=30)
+        expect_b = []
+        for i, x in enumerate(big):
+            expect_b += [[b"m%d" % i, x.tobytes()], [b"small%d" % i]]
+        assert got_b == expect_b
+        assert got_a == [[b"m%d" % i, x.tobytes()] for i, x in enumerate(big)]
+        assert a.drain(5) and b.drain(5)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_end_of_the_other_side_is_seen_and_sends_then_fail() -> None:
+    a, b = _lanes()
+    b.close()
+    assert _read(a, 0) == []
+    deadline = time.monotonic() + 5
+    while not a.eof:
+        assert time.monotonic() < deadline, "EOF not seen"
+        a.read()
+        time.sleep(0.01)
+    with pytest.raises(TransportError, match="cannot send on a"):
+        for _ in range(10):  # (the first may still be taken by the kernel)
+            a.send([b"x" * 100_000])
+    a.close()
+    with pytest.raises(TransportError, match="a is closed"):
+        a.send([b"x"])
+
+
+class Echo(Actor):
+    @endpoint
+    def echo(self, x):
+        return x
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def shout(self, n: int) -> int:
+        for i in range(n):
+            print("line", i, flush=True)
+        return n
+
+
+def test_a_local_mesh_talks_through_lanes_with_output_and_big_values() -> None:
+    m = spawn_procs(2)
+    try:
+        ctl = m.controller
+        assert sorted(ctl._lane_of) == [0, 1]
+        assert all(ctl.ranks[r].identity.startswith(b"lane.") for r in (0, 1))
+        am = m.spawn("echo", Echo)
+        payload = list(range(300_000))  # a big pickle (no out-of-band buffer)
+        assert am.echo.call(payload).get().values() == [payload, payload]
+        arr = np.ones(4 << 20, dtype=np.float32)  # 16 MiB (through shared memory)
+        assert [float(v.sum()) for v in am.echo.call(arr).get().values()] == [4 << 20] * 2
+        r = m.run("print('from', rank)")
+        assert r.wait(30)
+        assert r.failure is None and not r.failures()
+        assert am.shout.call(500).get().values() == [500, 500]
+    finally:
+        m.stop()
+    assert all(lane._closed for lane in [*ctl._lanes.values(), *ctl._lane_of.values()])
+    wait_for(lambda: not worker_pids(os.getpid()), 10)
+
+
+def test_a_killed_rank_is_seen_and_its_restart_gets_a_new_lane() -> None:
+    m = spawn_procs(2)
+    try:
+        ctl = m.controller
+        am = m.spawn("echo", Echo)
+        old = ctl._lane_of[1]
+        pid = am.slice(procs=1).pid.call_one().get()
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: ctl.ranks[1].state == "dead", 10)
+        wait_for(lambda: old.fileno() not in ctl._lanes, 10)  # read to its end, closed
+        m.restart(1)
+        assert ctl._lane_of[1] is not old
+        am = m.spawn("echo2", Echo)
+        assert am.echo.call("again").get().values() == ["again", "again"]
+    finally:
+        m.stop()
+
+
+def test_lanes_off_falls_back_to_zeromq(monkeypatch) -> None:
+    monkeypatch.setenv("MONARCH_LANES", "0")
+    m = spawn_procs(2)
+    try:
+        ctl = m.controller
+        assert not ctl._lane_of
+        assert not any(ctl.ranks[r].identity.startswith(b"lane.") for r in (0, 1))
+        am = m.spawn("echo", Echo)
+        assert am.echo.call(7).get().values() == [7, 7]
+    finally:
+        m.stop()
+
+
+def test_workers_leave_at_once_when_the_controller_is_killed(tmp_path) -> None:
+    """The end of the lane tells a worker its controller is gone (no waiting
+    for missed heartbeats, 6 s)."""
+    script = tmp_path / "ctl.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from monarch_kernel.procmesh import spawn_procs
+        m = spawn_procs(2, heartbeat=5.0)
+        print(",".join(str(m.controller.ranks[r].pid) for r in (0, 1)), flush=True)
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "the controller script did not start its mesh"
+        pids = [int(p) for p in line.split(",")]
+        proc.kill()
+        proc.wait(10)
+        t0 = time.monotonic()
+
+        def gone() -> bool:
+            for pid in pids:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                return False
+            return True
+
+        wait_for(gone, 10)
+        assert time.monotonic() - t0 < 5, "workers waited for missed heartbeats"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+
+
+def test_a_thread_that_leads_and_senders_share_a_lane() -> None:
+    """Many threads sending at once: every message arrives whole."""
+    a, b = _lanes()
+    try:
+        def sender(k: int) -> None:
+            for i in range(300):
+                a.send([b"t%d" % k, b"%d" % i, b"y" * (i * 37 % 5000)])
+
+        threads = [threading.Thread(target=sender, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        got = _read(b, 1200, timeout=30)
+        for t in threads:
+            t.join(10)
+        for k in range(4):
+            mine = [int(f[1]) for f in got if f[0] == b"t%d" % k]
+            assert mine == list(range(300))  # each thread's messages in its order
+        assert all(len(f[2]) == int(f[1]) * 37 % 5000 for f in got)
+    finally:
+        a.close()
+        b.close()
