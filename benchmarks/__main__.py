@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from monarch_kernel.lane import lanes_enabled
+
 from . import actor_peers, ours, paired, peers, raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "calls_per_s", "tensor_gbps",
@@ -36,6 +38,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                                           if hasattr(os, "sched_getaffinity")
                                           else os.cpu_count()},
                               "installed": peers.installed(),
+                              # local workers through lanes (monarch_kernel.lane), or ZeroMQ
+                              "lanes": lanes_enabled(),
                               "versions": peers.versions(), "n": {}}
     for n in sizes:
         row: dict[str, Any] = {}
@@ -109,6 +113,9 @@ def table(result: dict[str, Any]) -> str:
     m = result.get("machine", {})
     lines.append(f"machine: {m.get('cores', '?')} cores, Python {m.get('python', '?')}; "
                  + ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items() if v))
+    if "lanes" in result:
+        lines.append("monarch_kernel's local workers: " + (
+            "lanes (Unix socket pairs)" if result["lanes"] else "ZeroMQ (MONARCH_LANES=0)"))
     lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")

@@ -16,8 +16,8 @@ carry that id as their parent and are routed to the :class:`Request` that is
 waiting for them.
 
 The thread that leads the I/O (the I/O thread, or a caller waiting for its
-reply) reads ``router`` and the stdout/stderr pipes of local workers (their
-output, read before each of their replies), sends heartbeats, and watches
+reply) reads ``router``, the lanes of local workers and their stdout/stderr
+pipes (their output, read before each of their replies), sends heartbeats, and watches
 the workers: a local worker's exit is seen through its process
 within ~0.1 s, a remote worker's after three missed heartbeats. A dead rank
 fails every request waiting on it with
@@ -97,7 +97,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self._lane_of: dict[int, Lane] = {}  # rank -> its current lane
         self._new_lanes: list[Lane] = []
         self._lane_poll = select.poll()  # the lanes' fds, for the spin (controller_io)
-        self._spin_next = True  # sent, or read on the ROUTER, since the last spin
+        self._spin_next = True  # sent, or read on the ROUTER or a lane, since the last spin
         self._spin_misses = 0  # spins in a row that found nothing (controller_io)
         self._spin_off_until = 0.0  # a contended core turned the spin off (controller_io)
         #: how many times a contended core turned the spin off (controller_io)
@@ -534,8 +534,14 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             req._fail(MeshFailure("the mesh was stopped"))
         self._closed.set()
         self._thread.join(timeout=5)
-        for lane in [*self._lane_of.values(), *self._lanes.values(), *self._new_lanes]:
-            lane.close()
+        # (a caller may still lead, for a moment: the lanes close once it stopped)
+        led = self._lead.acquire(timeout=5)
+        try:
+            for lane in [*self._lane_of.values(), *self._lanes.values(), *self._new_lanes]:
+                lane.close()
+        finally:
+            if led:
+                self._lead.release()
         with self._down_lock:
             self.router_down.close(0)
         self.outbox.close()

@@ -1,8 +1,9 @@
 """The controller's I/O: leader/follower over its sockets and pipes.
 
 Whoever holds ``_lead`` does the I/O duties of a :class:`Controller`: reads
-the ROUTER socket ``router``, the inproc ``pull`` socket and the pipes of
-local workers, checks ranks, sends heartbeats. The I/O thread leads by
+the ROUTER socket ``router``, the inproc ``pull`` socket, and the lanes
+(:mod:`~monarch_kernel.lane`) and pipes of local workers, checks ranks,
+sends heartbeats. The I/O thread leads by
 default; a thread that waits for a reply (:meth:`ControllerIO.wait_for`,
 used by futures and requests) takes the lead and reads its reply itself,
 so a call costs no thread hand-off on the controller's side (the
@@ -11,22 +12,22 @@ back while a caller leads, and takes the lead again 10-15 ms after the last
 one (not at once: back-to-back calls then need no wake-up of this thread),
 never letting 50 ms pass without a step.
 
-A caller that leads looks for its reply on the ROUTER for up to ``spin_s``
+A caller that leads looks for its reply on the ROUTER and the lanes for up to ``spin_s``
 (100 us by default, ``MONARCH_SPIN_US``) before it sleeps in poll(2): a reply
 that comes within that time is read without the thread going to sleep and
 being woken (about 60 us of a no-op call's round trip on a 2-core VM). This is
 the bounded "spin, then block" of MPI progress engines and of Linux's
 ``busy_poll``. Between two looks the spinning thread yields its core
-(``sched_yield(2)``, keeping the GIL): a thread it woke, ZeroMQ's I/O thread
-carrying the request out above all, may have been queued behind it on the same
-core. On 2 cores, a call after 1.5 ms of idleness took 397-418 us with a spin
+(``sched_yield(2)``, keeping the GIL): a thread it woke (the worker it sent
+to, or ZeroMQ's I/O thread carrying the request out) may have been queued
+behind it on the same core. On 2 cores, a call after 1.5 ms of idleness took 397-418 us with a spin
 that did not yield, 292-314 us with no spin, and 189-220 us with the yielding
 spin. A yield that keeps the core away for CONTENDED_S (1 ms: another task is
 runnable on the caller's core, and each yield could cost its whole time slice)
 ends the spin and turns it off for CONTENDED_OFF_S (1 s): with a CPU-bound
 process on the caller's core, calls took 2.4-4 ms with the yielding spin
 before this rule, and 168-187 us with it. It spins only after a message was
-sent, or one came in on the ROUTER, since the last spin (output read from a
+sent, or one came in on the ROUTER or a lane, since the last spin (output read from a
 worker's pipe does not count), at most MAX_MISSES spins in a row that find
 nothing, and only with at least 2 cores and no more busy local ranks than
 cores (``busy`` meaning a request of this controller is pending there, not
@@ -57,7 +58,7 @@ from .transport import drain, has_input, send_frames
 #: microseconds a waiting caller looks for its reply before it sleeps (see above)
 SPIN_US = 100
 #: spins in a row that found nothing, after which callers sleep at once until
-#: a message is sent or comes in on the ROUTER
+#: a message is sent or comes in on the ROUTER or a lane
 MAX_MISSES = 3
 
 
@@ -280,7 +281,7 @@ class ControllerIO:
         return True
 
     def _spin(self, seconds: float) -> bool:
-        """Look for a message on the ROUTER for up to ``seconds`` (the leader),
+        """Look for a message on the ROUTER or a lane for up to ``seconds`` (the leader),
         yielding the core between looks; True if one came. A yield that kept
         the core away for CONTENDED_S or more (another task is runnable on this
         core: each yield may cost its whole time slice) ends the spin and turns
@@ -307,7 +308,7 @@ class ControllerIO:
         """Keep the I/O thread from reading for the next 10-15 ms: the calling
         thread sent a request it will wait for (an actor call), and reads the
         replies itself then. During a burst of calls, replies then wait in
-        ZeroMQ's queue instead of being handled by a second thread that
+        their socket's queue instead of being handled by a second thread that
         competes with the sender for the GIL."""
         self._led_at = time.monotonic()
 
@@ -348,16 +349,22 @@ class ControllerIO:
     def _read_lane(self, lane: Lane, poller: zmq.Poller) -> None:
         """Handle what came on ``lane``; close it at its end (the rank exited)."""
         ident = lane.identity  # type: ignore[attr-defined]
-        for frames in lane.read():
+        try:
+            messages = lane.read()
+        except Exception:  # (out of memory for a huge message, ...): the lane is lost
+            log.exception("the controller cannot read %s; closing it", lane.name)
+            messages = []
+            lane.eof = True
+        for frames in messages:
             try:
                 self._receive([ident, *frames])
             except Exception:
                 log.exception("the controller dropped a message it could not handle")
         if lane.eof:
             fd = lane.fileno()
-            poller.unregister(fd)
-            self._lane_poll.unregister(fd)
-            self._lanes.pop(fd, None)
+            if self._lanes.pop(fd, None) is not None:
+                poller.unregister(fd)
+                self._lane_poll.unregister(fd)
             lane.close()
 
     def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:

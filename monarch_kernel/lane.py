@@ -18,28 +18,38 @@ message is ``<u32 n> <u64 len> * n`` (little-endian) followed by the ``n``
 frames. Messages are still signed and checked by :mod:`protocol`, which
 owns what is inside the frames.
 
-A send never blocks: it writes what the socket takes now (``MSG_DONTWAIT``,
-``sendmsg`` gathering the frames without joining them) and queues the rest
-for a flusher thread started on first need, so two sides that both send
-large messages cannot deadlock (what ZeroMQ's I/O thread gives, paid only
-under back-pressure). Order is kept: while anything is queued, later
-messages queue behind it.
+A send never blocks: it writes what the socket takes now (a non-blocking
+``sendmsg`` gathering the frames without joining them, ``MSG_NOSIGNAL``: a
+gone peer is an error, never a SIGPIPE) and queues the rest for a flusher
+thread started on first need, so two sides that both send large messages
+cannot deadlock (what ZeroMQ's I/O thread gives, paid only under
+back-pressure). Order is kept: while anything is queued, later messages
+queue behind it. Received frames are fresh, writable ``bytearray`` objects
+(arrays unpickled from them are writable, as from ZeroMQ frames).
+
+A process forked from one that holds a lane (``multiprocessing``, a
+DataLoader's workers) closes its copy at once and cannot send on it
+(:class:`~monarch_kernel.errors.TransportError`): its messages would
+interleave with its parent's, and the lane would outlive the parent.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import os
 import select
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import TransportError
+from .sigint import DeferredSigint
 
 __all__ = ["Lane", "lanes_enabled", "pair"]
 
@@ -71,7 +81,8 @@ def lanes_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 def pair() -> tuple[socket.socket, socket.socket]:
     """A connected pair of Unix stream sockets: (controller's end, worker's end).
 
-    The worker's end is inheritable, for ``subprocess.Popen(pass_fds=...)``.
+    Neither is inheritable: pass the worker's end with
+    ``subprocess.Popen(pass_fds=...)``, which makes it so in that child only.
     """
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for s in (a, b):
@@ -80,7 +91,6 @@ def pair() -> tuple[socket.socket, socket.socket]:
                 s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
             except OSError:
                 pass
-    b.set_inheritable(True)
     return a, b
 
 
@@ -103,6 +113,8 @@ class Lane:
         self.sock = sock
         self.name = name
         self.eof = False
+        self._fd = sock.fileno()  # (kept: a closed socket's fileno() is -1)
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._backlog: collections.deque[memoryview] = collections.deque()
         self._flusher: threading.Thread | None = None
@@ -112,31 +124,47 @@ class Lane:
         self._start = 0  # first byte not parsed yet
         self._end = 0  # first byte not filled yet
 
+        _lanes.add(self)
+
     def fileno(self) -> int:
-        return self.sock.fileno()
+        """The socket's file descriptor (still the same number once closed)."""
+        return self._fd
 
     # ---------------------------------------------------------------- send
     def send(self, frames: list[Any]) -> None:
         """Send ``frames`` as one message (any thread; never blocks).
 
+        Parameters
+        ----------
+        frames : list of bytes-like
+            C-contiguous buffers (bytes, memoryview, numpy arrays, zmq.Frame).
+
         Raises
         ------
         TransportError
-            If the lane is closed or its other end is gone.
+            If the lane is closed, its other end is gone, or this process is
+            a fork of the one that made the lane.
+        TypeError, BufferError
+            If a frame is not a C-contiguous buffer (nothing is sent then).
         """
-        views = [f if isinstance(f, bytes) else _view(f) for f in frames]
-        head = _COUNT.pack(len(views)) + struct.pack(f"<{len(views)}Q", *map(_nbytes, views))
+        views = [f if type(f) is bytes else _bytes_view(f) for f in frames]
+        lens = [len(v) if type(v) is bytes else v.nbytes for v in views]
+        head = _COUNT.pack(len(views)) + struct.pack(f"<{len(views)}Q", *lens)
         parts = [head, *views]
-        with self._lock:
+        total = len(head) + sum(lens)
+        # a KeyboardInterrupt between a partial write and queueing the rest would
+        # leave half a message on the stream: Ctrl-C waits until this is done
+        with DeferredSigint(), self._lock:
             if self._closed:
-                raise TransportError(f"{self.name} is closed")
+                raise TransportError(
+                    f"{self.name} is closed" if self._pid == os.getpid() else
+                    f"{self.name} belongs to the process this one was forked from; a "
+                    "forked child cannot send to the controller")
             if self._backlog:  # queued messages go first
                 self._queue(parts, 0)
                 return
-            total = sum(map(_nbytes, parts))
             try:
-                sent = self.sock.sendmsg(parts[:_IOV_MAX]) if len(parts) > _IOV_MAX \
-                    else self.sock.sendmsg(parts)
+                sent = self.sock.sendmsg(parts[:_IOV_MAX], (), _FLAGS)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
@@ -145,47 +173,74 @@ class Lane:
                 self._queue(parts, sent)
 
     def _queue(self, parts: list[Any], skip: int) -> None:
-        """Queue ``parts`` minus their first ``skip`` bytes for the flusher (lock held)."""
+        """Queue ``parts`` minus their first ``skip`` bytes for the flusher (lock
+        held; ``parts`` are bytes or 1-byte memoryviews, so nothing here raises
+        but a failure to start the flusher, which then writes here)."""
         for p in parts:
-            n = _nbytes(p)
+            n = len(p) if type(p) is bytes else p.nbytes
             if skip >= n:
                 skip -= n
                 continue
-            v = memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p)
+            v = memoryview(p) if type(p) is bytes else p
             self._backlog.append(v[skip:] if skip else v)
             skip = 0
         if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush, name=f"monarch-{self.name}",
-                                             daemon=True)
-            self._flusher.start()
+            t = threading.Thread(target=self._flush, name=f"monarch-{self.name}", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # no thread to be had (shutting down): write it here
+                self._write_backlog_here()
+                return
+            self._flusher = t
         self._wake.notify()
+
+    def _write_backlog_here(self) -> None:
+        """Write the whole backlog from this thread, waiting for the socket (lock
+        held; only when no flusher thread can be started); the lane closes if
+        the other end does not take it within 10 s."""
+        out = select.poll()
+        out.register(self._fd, select.POLLOUT)
+        deadline = time.monotonic() + 10.0
+        while self._backlog and time.monotonic() < deadline:
+            out.poll(100)
+            if not self._send_some():
+                break
+        if self._backlog:
+            self._closed = True
+            self._backlog.clear()
+            raise TransportError(f"{self.name}: the other end takes nothing; closed")
+
+    def _send_some(self) -> bool:
+        """One write of the backlog's head (lock held); False if the other end is gone."""
+        try:
+            sent = self.sock.sendmsg(list(itertools.islice(self._backlog, _IOV_MAX)), (),
+                                     _FLAGS)
+        except BlockingIOError:
+            return True
+        except OSError:  # the other end is gone: what is queued is lost with it
+            self._backlog.clear()
+            return False
+        backlog = self._backlog
+        while sent and backlog:
+            n = backlog[0].nbytes
+            if sent >= n:
+                backlog.popleft()
+                sent -= n
+            else:
+                backlog[0] = backlog[0][sent:]
+                sent = 0
+        return True
 
     def _flush(self) -> None:
         """Write the backlog as the socket takes it (the flusher thread)."""
         out = select.poll()
-        out.register(self.sock.fileno(), select.POLLOUT)
+        out.register(self._fd, select.POLLOUT)
         while True:
             with self._lock:
                 while not self._backlog and not self._closed:
                     self._wake.wait()
-                if self._closed:
+                if self._closed or not self._send_some():
                     return
-                chunk = list(self._backlog)[:_IOV_MAX]
-                try:
-                    sent = self.sock.sendmsg(chunk)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:  # the other end is gone: what is queued is lost with it
-                    self._backlog.clear()
-                    return
-                while sent and self._backlog:
-                    n = self._backlog[0].nbytes
-                    if sent >= n:
-                        self._backlog.popleft()
-                        sent -= n
-                    else:
-                        self._backlog[0] = self._backlog[0][sent:]
-                        sent = 0
                 if not self._backlog:
                     continue
             try:
@@ -194,12 +249,15 @@ class Lane:
                 return
 
     # ---------------------------------------------------------------- read
-    def read(self) -> list[list[bytes]]:
+    def read(self) -> list[list[bytearray]]:
         """The messages that have fully arrived (each a list of frames, as
-        ``bytes``); sets :attr:`eof` when the other end closed. Reads the
+        writable ``bytearray``); sets :attr:`eof` when the other end closed. Reads the
         socket once (poll is level-triggered: what is left is read next time)
         unless a message is bigger than what was read."""
-        out: list[list[bytes]] = []
+        out: list[list[bytearray]] = []
+        if self._closed:
+            self.eof = True
+            return out
         while True:
             buf = self._buf
             if self._end == len(buf):  # full: make room (move the partial message down)
@@ -214,8 +272,8 @@ class Lane:
                 n = self.sock.recv_into(memoryview(buf)[self._end:])
             except (BlockingIOError, InterruptedError):
                 return out
-            except OSError as e:
-                if e.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF):
+            except OSError as e:  # (EBADF: closed meanwhile by another thread)
+                if e.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF, None):
                     raise
                 n = 0
             if n == 0:
@@ -240,7 +298,7 @@ class Lane:
             return 4 + 8 * n
         return 4 + 8 * n + sum(struct.unpack_from(f"<{n}Q", buf, pos + 4))
 
-    def _parse(self, out: list[list[bytes]]) -> None:
+    def _parse(self, out: list[list[bytearray]]) -> None:
         buf, pos, end = self._buf, self._start, self._end
         while end - pos >= 4:
             (n,) = _COUNT.unpack_from(buf, pos)
@@ -252,7 +310,7 @@ class Lane:
                 break
             frames = []
             for ln in lens:
-                frames.append(bytes(buf[at:at + ln]))
+                frames.append(buf[at:at + ln])  # (a copy: writable, and buf may move)
                 at += ln
             out.append(frames)
             pos = at
@@ -283,10 +341,34 @@ class Lane:
             pass
 
 
-def _view(frame: Any) -> memoryview:
+_FLAGS = socket.MSG_NOSIGNAL if hasattr(socket, "MSG_NOSIGNAL") else 0
+
+#: every lane of this process (closed in a forked child, see _after_fork)
+_lanes: weakref.WeakSet[Lane] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a forked child: close its copies of the lanes (they stay the parent's)."""
+    for lane in list(_lanes):
+        lane._lock = threading.Lock()  # (a thread of the parent may have held it)
+        lane._wake = threading.Condition(lane._lock)
+        lane._closed = True
+        lane._backlog.clear()
+        lane._flusher = None
+        try:
+            lane.sock.close()
+        except OSError:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _bytes_view(frame: Any) -> memoryview:
+    """A flat view of ``frame``'s bytes (raises for a non-contiguous buffer)."""
     buf = getattr(frame, "buffer", None)  # zmq.Frame
-    return buf if buf is not None else memoryview(frame)
-
-
-def _nbytes(p: Any) -> int:
-    return len(p) if isinstance(p, bytes) else p.nbytes
+    v = buf if buf is not None else memoryview(frame)
+    if not v.c_contiguous:
+        raise BufferError("a frame must be a C-contiguous buffer (copy it first)")
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")

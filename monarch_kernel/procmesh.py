@@ -428,7 +428,9 @@ def spawn_procs(
         If workers did not connect in time.
     ValueError
         If ``MONARCH_SPIN_US`` is set to something other than 0-10000
-        microseconds (see :mod:`monarch_kernel.controller_io`).
+        microseconds (see :mod:`monarch_kernel.controller_io`), or
+        ``MONARCH_LANES`` to something other than 0 or 1 (see
+        :mod:`monarch_kernel.lane`).
     """
     if isinstance(shape, int):
         shape = {"hosts": 1, "procs": shape}
@@ -455,7 +457,7 @@ def spawn_procs(
     ctl.leftover_output = la.leftover_output
     if hasattr(la, "on_pipes"):  # local workers: their output pipes are read here
         la.on_pipes = ctl.adopt_pipes
-    if hasattr(la, "on_lane") and ctl.use_lanes:  # ... and their messages come by lane
+    if hasattr(la, "on_lane") and la.local and ctl.use_lanes:  # ... and their messages
         la.on_lane = ctl.adopt_lane
     la.attach(ctl)
     try:

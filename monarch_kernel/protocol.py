@@ -1,7 +1,8 @@
 """The controller <-> worker wire format: the ONE module that knows frames.
 
-Every message is a ZeroMQ multipart message (after any ROUTER identity
-frames) of one envelope frame and zero or more buffer frames::
+Every message is a multipart message (ZeroMQ's, or a lane's framing of the
+same frames, :mod:`monarch_kernel.lane`; after any ROUTER identity frames) of
+one envelope frame and zero or more buffer frames::
 
     frame 0   envelope:
                 bytes 0-3     b"MK/2"     magic and protocol version
@@ -24,6 +25,7 @@ frames) of one envelope frame and zero or more buffer frames::
                 then          payload     pickle protocol 5 (cloudpickle) bytes
     frame 1+  buffers                     out-of-band pickle buffers (raw bytes
                                           of arrays and tensors), zero-copy
+                                          on ZeroMQ (a lane's reader copies once)
 
 A small message (no buffers: every control message) is ONE frame, so the
 hot path pays for one ZeroMQ frame per hop rather than four (version 1 sent

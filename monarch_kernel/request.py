@@ -45,7 +45,8 @@ class RankInfo:
     messages_in: int = 0
     messages_out: int = 0
     telemetry: dict[str, Any] = field(default_factory=dict)
-    #: the rank's worker connected a second socket (controller -> worker traffic)
+    #: the rank's worker connected a second socket (controller -> worker traffic);
+    #: also True for a worker on a lane (monarch_kernel.lane), which is used first
     down: bool = False
     #: routing identity of the rank's connection, learnt from its signed hello
     #: (random per worker process, so no other connection can claim the rank's traffic)

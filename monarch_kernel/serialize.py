@@ -5,7 +5,7 @@ value (cloudpickle). Large contiguous buffers -- numpy arrays, and torch
 tensors, which are reduced to numpy arrays here because torch's own reducer
 copies storages in-band -- are not copied into the pickle stream: they are
 returned as separate buffers that :mod:`monarch_kernel.protocol` sends as
-their own ZeroMQ frames (PEP 574).
+their own frames (PEP 574).
 
 Tensors keep their dtype, shape, ``requires_grad`` and device: a CUDA tensor
 is rebuilt on a GPU of the receiver, never silently left on the CPU: on the
@@ -265,7 +265,7 @@ class Packed:
     """A value pickled by :func:`dumps`, carried inside a message.
 
     Large buffers (arrays, tensors) and a large pickle stream stay out of
-    band: they travel as their own ZeroMQ frames, without copies. A value
+    band: they travel as their own frames, not copied into the pickle. A value
     that holds CUDA IPC handles (``ipc``) is unpickled as soon as it arrives,
     not when first asked for: the sender's GPU memory is held until then.
     """

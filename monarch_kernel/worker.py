@@ -124,7 +124,8 @@ class Worker(WorkerIO):
         self.lane: Lane | None = None
         if lane_fd is not None:  # a controller on this host: no ZeroMQ connection to it
             sock = socket.socket(fileno=lane_fd)
-            sock.set_inheritable(False)  # (children of user code must not hold it)
+            # programs it starts must not hold it (a forked child closes its copy: lane.py)
+            sock.set_inheritable(False)
             self.lane = Lane(sock, f"lane-r{rank}")
             self.dealer = None
         elif down_address:

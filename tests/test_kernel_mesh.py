@@ -137,17 +137,19 @@ def test_bad_magic_input_is_one_line_and_kernel_survives(k4):
     assert r.status == "ok"
 
 
-def test_bad_spin_setting_keeps_the_running_mesh(k4):
-    """A bad MONARCH_SPIN_US is refused before the running mesh is stopped."""
-    r = k4.execute("import os; os.environ['MONARCH_SPIN_US'] = 'fast'")
+@pytest.mark.parametrize("var", ["MONARCH_SPIN_US", "MONARCH_LANES"])
+def test_bad_spin_or_lanes_setting_keeps_the_running_mesh(k4, var):
+    """A bad MONARCH_SPIN_US or MONARCH_LANES is refused before the running mesh
+    is stopped."""
+    r = k4.execute(f"import os; os.environ[{var!r}] = 'fast'")
     assert r.status == "ok"
     try:
         r = k4.execute("%mesh spawn 2")
         assert r.status == "error"
         assert r.reply["content"]["ename"] == "UsageError"
-        assert "MONARCH_SPIN_US" in r.reply["content"]["evalue"]
+        assert var in r.reply["content"]["evalue"]
     finally:
-        assert k4.execute("del os.environ['MONARCH_SPIN_US']").status == "ok"
+        assert k4.execute(f"del os.environ[{var!r}]").status == "ok"
     r = k4.execute("%%mesh\nrank")
     assert r.status == "ok" and "3" in r.result_text()
     assert len(worker_pids(k4.pid)) == 4

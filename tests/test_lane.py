@@ -259,3 +259,95 @@ def test_a_thread_that_leads_and_senders_share_a_lane() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_received_frames_are_writable_and_arrays_from_them_too() -> None:
+    """Arrays unpickled from a lane's frames can be changed in place (as from
+    ZeroMQ frames): between 4 KiB and the shared-memory size they are frames."""
+    a, b = _lanes()
+    try:
+        a.send([b"env", np.ones(50_000, np.float32)])
+        (got,) = _read(b, 1)
+        x = np.frombuffer(got[1], dtype=np.float32)
+        x += 1  # would raise on a read-only buffer
+        assert float(x.sum()) == 100_000
+    finally:
+        a.close()
+        b.close()
+
+
+class Probe(Actor):
+    @endpoint
+    def writable(self, x) -> tuple:
+        return x.flags.writeable, np.ones(50_000, np.float32)
+
+
+def test_arrays_through_a_mesh_stay_writable_both_ways() -> None:
+    m = spawn_procs(1)
+    try:
+        (on_worker, back), = m.spawn("p", Probe).writable.call(
+            np.ones(50_000, np.float32)).get().values()
+        assert on_worker and back.flags.writeable
+    finally:
+        m.stop()
+
+
+def test_a_non_contiguous_frame_is_refused_and_nothing_is_sent() -> None:
+    a, b = _lanes()
+    try:
+        with pytest.raises((TypeError, BufferError)):
+            a.send([b"env", np.ones((10, 10), np.float32)[:, 1]])
+        a.send([b"next"])  # the stream is still whole
+        assert _read(b, 1) == [[b"next"]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_forked_child_closes_its_copy_and_cannot_send() -> None:
+    """A fork (multiprocessing, a DataLoader) must not write into its parent's
+    lane (its messages would interleave with the parent's), nor keep the lane
+    open after the parent is gone."""
+    a, b = _lanes()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: sending must fail, clearly
+            code = 3
+            try:
+                a.send([b"from the child"])
+            except TransportError as e:
+                code = 0 if "forked" in str(e) else 4
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        a.send([b"from the parent"])
+        assert _read(b, 1) == [[b"from the parent"]]
+        a.close()  # the parent's end is the only one: the other side sees the end
+        wait_for(lambda: (b.read(), b.eof)[1], 5, what="EOF after the parent closed")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_peer_is_an_error_not_a_sigpipe(tmp_path) -> None:
+    """With SIGPIPE at its default (common in scripts), writing to a lane whose
+    worker died must raise TransportError, not kill the controller."""
+    script = tmp_path / "pipe.py"
+    script.write_text(textwrap.dedent("""
+        import signal
+        from monarch_kernel.errors import TransportError
+        from monarch_kernel.lane import Lane, pair
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        a, b = pair()
+        lane = Lane(a, "a")
+        b.close()
+        try:
+            for _ in range(10):
+                lane.send([b"x" * 100_000])
+        except TransportError:
+            print("raised")
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "raised", (r.returncode, r.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import zmq
 
 from monarch_kernel import protocol
@@ -67,10 +68,14 @@ def controller_drops(caplog) -> list[str]:
 
 def two_rank_mesh() -> Iterator[Any]:
     """A 2-rank local mesh, stopped when the generator is closed (``yield from`` it
-    in a fixture)."""
+    in a fixture). Its workers use ZeroMQ (``MONARCH_LANES=0``), as workers on
+    other hosts do: the attacks here go through the controller's sockets, and a
+    lane (a socket pair a local worker inherits) has no address to attack."""
     from monarch_kernel.procmesh import spawn_procs
 
-    m = spawn_procs(2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MONARCH_LANES", "0")
+        m = spawn_procs(2)
     try:
         yield m
     finally:

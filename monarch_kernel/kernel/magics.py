@@ -21,6 +21,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..controller import Request
 from ..controller_io import spin_seconds
+from ..lane import lanes_enabled
 from ..debug.console import report_quits
 from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
@@ -227,6 +228,7 @@ class MeshMagics(Magics):
         try:  # before the previous mesh is stopped: a typo must not cost the running mesh
             launcher = get_launcher(a.launcher, **launcher_options)
             spin_seconds()  # (MONARCH_SPIN_US, read by the mesh's controller)
+            lanes_enabled()  # (MONARCH_LANES, likewise)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         old = self.meshes.pop(a.name, None)
