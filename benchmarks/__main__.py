@@ -146,6 +146,11 @@ def table(result: dict[str, Any]) -> str:
                     f"{pr['ratio_to_raw']['call_p50_us_spin_off']:.2f}x raw"
                     + (f" (the spin turned itself off {pr['spin_contended']} times: a core "
                        "was contended)" if pr.get("spin_contended") else ""))
+            if "call_p50_us_zeromq" in pr["monarch_kernel"]:
+                lines.append("  ours with ZeroMQ instead of lanes (MONARCH_LANES=0): " + ", ".join(
+                    f"{m} {pr['monarch_kernel'][m + '_zeromq']:,.0f} us = "
+                    f"{pr['ratio_to_raw'][m + '_zeromq']:.2f}x raw"
+                    for m in ("call_p50_us", "bcast_p50_us")))
             if "call_idle_p50_us" in pr["monarch_kernel"]:
                 lines.append(
                     f"  call_p50_us after {paired.IDLE_S * 1e3:g} ms idle: "

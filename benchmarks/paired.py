@@ -12,6 +12,11 @@ worth: the raw echo blocks in ``recv`` and never spins. Each block starts
 with the spin as set, and ``spin_contended`` counts the times the spin
 turned itself off in a block (a yield that lost the core for 1 ms).
 
+``call_p50_us_zeromq``, ``bcast_p50_us_zeromq``: ours again on a second mesh
+whose workers talk to the controller through ZeroMQ instead of lanes
+(``MONARCH_LANES=0``, :mod:`monarch_kernel.lane`), in the same blocks: what
+the lanes are worth.
+
 ``call_idle_p50_us``: a no-op call after ``IDLE_S`` (1.5 ms) of idleness,
 each side, in the same alternating blocks. Back-to-back calls keep every
 thread and cache warm; a notebook's calls come after a pause, and this is
@@ -21,7 +26,10 @@ where a spin that held on to its core cost most (see
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from monarch_kernel.procmesh import spawn_procs
@@ -46,19 +54,40 @@ def _after_idle(fn: Any) -> Any:
     return timed
 
 
+@contextlib.contextmanager
+def _lanes_off() -> Iterator[None]:
+    """Meshes spawned within use ZeroMQ for their local workers."""
+    old = os.environ.get("MONARCH_LANES")
+    os.environ["MONARCH_LANES"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MONARCH_LANES"]
+        else:
+            os.environ["MONARCH_LANES"] = old
+
+
 def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
     """Alternate ``block`` calls of each kind until each has ``calls`` (the calls
     after idleness: a quarter of that, in blocks of a quarter)."""
     raw = RawMesh(n)
     procs = spawn_procs(n, telemetry_interval=1.0)
+    zmq_procs = None
     try:
+        with _lanes_off():
+            zmq_procs = spawn_procs(n, telemetry_interval=1.0)
         actors = procs.spawn("bench", Bench)
         one = actors.slice(procs=0)
+        zactors = zmq_procs.spawn("bench", Bench)
+        zone = zactors.slice(procs=0)
         fns = {
             ("raw_pyzmq", "call"): lambda: raw.call(raw.ids[0]),
             ("monarch_kernel", "call"): lambda: one.noop.call_one().get(),
             ("raw_pyzmq", "bcast"): raw.bcast,
             ("monarch_kernel", "bcast"): lambda: actors.noop.call().get(),
+            ("monarch_kernel", "call_zeromq"): lambda: zone.noop.call_one().get(),
+            ("monarch_kernel", "bcast_zeromq"): lambda: zactors.noop.call().get(),
         }
         # ours again with the controller's spin off (MONARCH_SPIN_US=0): what the
         # spin (controller_io) is worth, in the same blocks
@@ -92,6 +121,10 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         nospin = p50(lat["monarch_kernel", "call_nospin"])
         out["monarch_kernel"]["call_p50_us_spin_off"] = nospin
         out["ratio_to_raw"]["call_p50_us_spin_off"] = nospin / out["raw_pyzmq"]["call_p50_us"]
+        for m in ("call", "bcast"):  # ours with ZeroMQ instead of lanes
+            v = p50(lat["monarch_kernel", f"{m}_zeromq"])
+            out["monarch_kernel"][f"{m}_p50_us_zeromq"] = v
+            out["ratio_to_raw"][f"{m}_p50_us_zeromq"] = v / out["raw_pyzmq"][f"{m}_p50_us"]
         out["spin_us"] = spin * 1e6
         # times a yield lost the core for 1 ms and turned the spin off for 1 s (a
         # block then ran partly without it; see monarch_kernel.controller_io)
@@ -99,4 +132,6 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         return out
     finally:
         procs.stop()
+        if zmq_procs is not None:
+            zmq_procs.stop()
         raw.close()
