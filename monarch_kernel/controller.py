@@ -43,10 +43,10 @@ from .batching import BatchingIO
 from .controller_io import ControllerIO, spin_seconds
 from .controller_output import RankOutput
 from .errors import MeshFailure, ProtocolError, TransportError
+from .lane import Lane, lanes_enabled
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
 from .sigint import DeferredSigint
-from .lane import Lane, lanes_enabled
 from .transport import Outbox, bind_router, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")

@@ -326,15 +326,19 @@ class ControllerIO:
         from now on, and the thread that leads reads it. A lane the rank
         had before (a restart) is read to its end, then closed."""
         lane = Lane(sock, f"lane-r{rank}")
-        lane.rank = rank  # type: ignore[attr-defined]
         # the identity its messages are routed with (learnt from the signed hello)
-        lane.identity = f"lane.{rank}.{sock.fileno()}.{time.monotonic_ns()}".encode()  # type: ignore[attr-defined]
+        ident = f"lane.{rank}.{sock.fileno()}.{time.monotonic_ns()}".encode()
+        lane.identity = ident  # type: ignore[attr-defined]
         with self._lock:
             self._lane_of[rank] = lane
             self._new_lanes.append(lane)
-        try:  # wake the I/O thread so it registers it now
+        self._wake_io()  # it registers the lane now
+
+    def _wake_io(self) -> None:
+        """Wake the thread that leads from its poll (any thread)."""
+        try:
             self.outbox.send([b""])
-        except TransportError:
+        except TransportError:  # closed: nothing to wake
             pass
 
     def _register_lanes(self, poller: zmq.Poller) -> None:

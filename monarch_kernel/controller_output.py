@@ -17,7 +17,6 @@ import select
 
 import zmq
 
-from .errors import TransportError
 from .request import RankInfo, Request, _Pipe
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -37,10 +36,7 @@ class RankOutput:
         """
         with self._lock:
             self._new_pipes.append((rank, stdout_fd, stderr_fd))
-        try:  # wake the I/O thread so it registers them now
-            self.outbox.send([b""])
-        except TransportError:
-            pass
+        self._wake_io()  # it registers them now
 
     def _register_pipes(self, poller: zmq.Poller) -> None:
         with self._lock:

@@ -49,8 +49,8 @@ from . import protocol, telemetry
 from . import shm as _shm
 from .capture import FdCapture
 from .errors import RemoteError, SerializationError, _ranks_label
-from .serialize import cuda_ipc
 from .lane import Lane
+from .serialize import cuda_ipc
 from .transport import Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
 

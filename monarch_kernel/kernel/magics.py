@@ -21,10 +21,10 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..controller import Request
 from ..controller_io import spin_seconds
-from ..lane import lanes_enabled
 from ..debug.console import report_quits
 from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
+from ..lane import lanes_enabled
 from ..launchers import get_launcher
 from ..mesh import ValueMesh, parse_ranks
 from ..output import BackgroundOutput, RankPrinter, write_stream
