@@ -15,7 +15,8 @@ turned itself off in a block (a yield that lost the core for 1 ms).
 ``call_p50_us_zeromq``, ``bcast_p50_us_zeromq``: ours again on a second mesh
 whose workers talk to the controller through ZeroMQ instead of lanes
 (``MONARCH_LANES=0``, :mod:`monarch_kernel.lane`), in the same blocks: what
-the lanes are worth.
+the lanes are worth (only when lanes are on: with ``MONARCH_LANES=0`` both
+meshes would use ZeroMQ).
 
 ``call_idle_p50_us``: a no-op call after ``IDLE_S`` (1.5 ms) of idleness,
 each side, in the same alternating blocks. Back-to-back calls keep every
@@ -75,20 +76,21 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
     procs = spawn_procs(n, telemetry_interval=1.0)
     zmq_procs = None
     try:
-        with _lanes_off():
-            zmq_procs = spawn_procs(n, telemetry_interval=1.0)
         actors = procs.spawn("bench", Bench)
         one = actors.slice(procs=0)
-        zactors = zmq_procs.spawn("bench", Bench)
-        zone = zactors.slice(procs=0)
         fns = {
             ("raw_pyzmq", "call"): lambda: raw.call(raw.ids[0]),
             ("monarch_kernel", "call"): lambda: one.noop.call_one().get(),
             ("raw_pyzmq", "bcast"): raw.bcast,
             ("monarch_kernel", "bcast"): lambda: actors.noop.call().get(),
-            ("monarch_kernel", "call_zeromq"): lambda: zone.noop.call_one().get(),
-            ("monarch_kernel", "bcast_zeromq"): lambda: zactors.noop.call().get(),
         }
+        if procs.transport == "lanes":  # ours over ZeroMQ too, in the same blocks
+            with _lanes_off():
+                zmq_procs = spawn_procs(n, telemetry_interval=1.0)
+            zactors = zmq_procs.spawn("bench", Bench)
+            zone = zactors.slice(procs=0)
+            fns["monarch_kernel", "call_zeromq"] = lambda: zone.noop.call_one().get()
+            fns["monarch_kernel", "bcast_zeromq"] = lambda: zactors.noop.call().get()
         # ours again with the controller's spin off (MONARCH_SPIN_US=0): what the
         # spin (controller_io) is worth, in the same blocks
         fns["monarch_kernel", "call_nospin"] = fns["monarch_kernel", "call"]
@@ -121,7 +123,7 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         nospin = p50(lat["monarch_kernel", "call_nospin"])
         out["monarch_kernel"]["call_p50_us_spin_off"] = nospin
         out["ratio_to_raw"]["call_p50_us_spin_off"] = nospin / out["raw_pyzmq"]["call_p50_us"]
-        for m in ("call", "bcast"):  # ours with ZeroMQ instead of lanes
+        for m in ("call", "bcast") if zmq_procs is not None else ():  # ZeroMQ, not lanes
             v = p50(lat["monarch_kernel", f"{m}_zeromq"])
             out["monarch_kernel"][f"{m}_p50_us_zeromq"] = v
             out["ratio_to_raw"][f"{m}_p50_us_zeromq"] = v / out["raw_pyzmq"][f"{m}_p50_us"]

@@ -281,7 +281,10 @@ class _ActorInstance:
                     f"{method!r}"
                 )
             t0 = time.perf_counter()
-            value = self._run_maybe_async(fn(*args, **kwargs))
+            try:
+                value = self._run_maybe_async(fn(*args, **kwargs))
+            finally:
+                w.leave_if_forked()  # (a child the endpoint forked and that came back)
             self._fast[method] = time.perf_counter() - t0 < FAST_S
             if "k" in c:  # .rref(): the value stays here; only its description goes back
                 from .tensor_store import keep

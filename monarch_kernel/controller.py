@@ -107,6 +107,9 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         self.codec.pool = shm.Pool()
+        swept = shm.sweep_stale()  # files of a controller killed outright on this host
+        if swept:
+            log.info("removed %d shared-memory files left by killed processes", len(swept))
         self.heartbeat = heartbeat
         self.on_output = on_output
         self.ctx = zmq.Context()

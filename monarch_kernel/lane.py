@@ -158,8 +158,8 @@ class Lane:
             if self._closed:
                 raise TransportError(
                     f"{self.name} is closed" if self._pid == os.getpid() else
-                    f"{self.name} belongs to the process this one was forked from; a "
-                    "forked child cannot send to the controller")
+                    f"{self.name} belongs to process {self._pid}, which this one was forked "
+                    "from; a forked child cannot send on it")
             if self._backlog:  # queued messages go first
                 self._queue(parts, 0)
                 return

@@ -19,7 +19,7 @@ from typing import Any
 from .controller import Controller, Request
 from .errors import MeshError, MeshFailure, RemoteError, group_failures, remote_exception
 from .launchers import Launcher, LaunchSpec, get_launcher
-from .mesh import Shape, ValueMesh
+from .mesh import Shape, ValueMesh, parse_ranks
 
 __all__ = ["HostMesh", "ProcMesh", "spawn_procs", "this_host"]
 
@@ -78,6 +78,15 @@ class ProcMesh:
     def ranks(self) -> list[int]:
         """Global ranks of this mesh, row-major."""
         return list(self.shape.ranks)
+
+    @property
+    def transport(self) -> str:
+        """How this mesh's workers talk to its controller: ``"lanes"`` (Unix
+        socket pairs, :mod:`monarch_kernel.lane`: workers the controller
+        started on its own host, the default), ``"zeromq"``, or ``"mixed"``."""
+        ctl = self.root.controller
+        laned = sum(1 for r in self.ranks if r in ctl._lane_of)
+        return "lanes" if laned == len(self.ranks) else "zeromq" if not laned else "mixed"
 
     @property
     def world_size(self) -> int:
@@ -264,8 +273,22 @@ class ProcMesh:
         return Dashboard(self, interval=interval, history=history, layout=layout)
 
     # ------------------------------------------------------------- recovery
-    def restart(self, ranks: int | list[int] | None = None, timeout: float = 120.0) -> None:
+    def restart(self, ranks: int | str | list[int] | None = None, timeout: float = 120.0
+                ) -> None:
         """Replace ``ranks`` (default: this mesh's ranks) with fresh processes.
+
+        Parameters
+        ----------
+        ranks : int, str, list of int or None
+            A rank, a rank spec as ``%mesh restart`` takes (``"1,2"``,
+            ``"0:4"``, ``"all"``), or a list of ranks.
+        timeout : float
+            Seconds to wait for the new processes.
+
+        Raises
+        ------
+        RankSpecError
+            For a rank spec that does not parse or names no rank of the mesh.
 
         See :func:`monarch_kernel.supervision.restart_ranks`.
         """
@@ -273,6 +296,8 @@ class ProcMesh:
 
         if ranks is None:
             ranks = self.ranks
+        elif isinstance(ranks, str):
+            ranks = parse_ranks(ranks, self.world_size)
         elif isinstance(ranks, int):
             ranks = [ranks]
         restart_ranks(self, list(ranks), timeout)

@@ -16,7 +16,10 @@ removed are removed when it exits.
 
 Fresh files cost page faults on both sides (about as much as the copy
 itself), so a sender that sends requests keeps a :class:`Pool` of files it
-reuses once a request is answered; the receiver keeps those files mapped
+reuses once a request is answered (``/dev/shm/monarch-p<random>``, each held
+with a shared ``flock`` while its pool lives, so that a process killed
+outright, whose ``atexit`` never ran, leaves files that the next controller
+on the host recognizes as nobody's and removes: :func:`sweep_stale`); the receiver keeps those files mapped
 and copies the bytes out into memory of its own while decoding (one copy
 on each side, no socket, no hashing of the bytes).
 
@@ -33,20 +36,28 @@ too, about 150 ms for 64 MiB instead of 5.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import os
 import re
 import secrets
 import sys
 import threading
+import time
+
+try:
+    import fcntl
+except ImportError:  # (not POSIX: no pooled files are swept)
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["MIN_BYTES", "NAME_RE", "RECV_MAX_BYTES", "ShmBuffer", "create", "forget", "open_buffer",
-           "unlink"]
+           "sweep_stale", "unlink"]
 
 #: buffers at least this large travel through shared memory on one host
 MIN_BYTES = 1 << 20
 DIRECTORY = "/dev/shm"
-NAME_RE = re.compile(r"^monarch-[0-9a-f]{24}$")
+NAME_RE = re.compile(r"^monarch-(?:p[0-9a-f]{23}|[0-9a-f]{24})$")
+POOL_PREFIX = "monarch-p"  # (a pooled file: locked by its owner, see sweep_stale)
 
 _created: set[str] = set()
 _lock = threading.Lock()
@@ -84,6 +95,7 @@ class Pool:
         self.max_bytes = max_bytes
         self._free: list[tuple[str, int, mmap.mmap]] = []
         self._busy: dict[str, tuple[str, int, mmap.mmap]] = {}
+        self._fds: dict[str, int] = {}  # name -> fd holding the file's shared flock
         self._lock = threading.Lock()
 
     def _total(self) -> int:
@@ -123,18 +135,24 @@ class Pool:
                 seg = None
                 for name, _, mm in gone:
                     mm.close()
-                    unlink(name)
+                    self._unlink(name)
         if seg is None:
-            name = f"monarch-{secrets.token_hex(12)}"
+            name = POOL_PREFIX + secrets.token_hex(12)[:23]
             fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL,
                          0o600)
             with _lock:
                 _created.add(name)
             try:
+                if fcntl is not None:  # held while this pool lives (sweep_stale)
+                    fcntl.flock(fd, fcntl.LOCK_SH)
                 _allocate(fd, n)
                 mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
+            except BaseException:
                 os.close(fd)
+                unlink(name)
+                raise
+            with self._lock:
+                self._fds[name] = fd
             seg = (name, n, mm)
         with self._lock:
             self._busy[seg[0]] = seg
@@ -148,8 +166,16 @@ class Pool:
                 self._free.append(seg)
         if seg is not None and discard:
             seg[2].close()
-            unlink(name)
+            self._unlink(name)
         return seg is not None
+
+    def _unlink(self, name: str) -> None:
+        """Remove a pooled file and let go of its lock."""
+        unlink(name)
+        with self._lock:
+            fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -157,7 +183,51 @@ class Pool:
             self._free, self._busy = [], {}
         for name, _, mm in segs:
             mm.close()
-            unlink(name)
+            self._unlink(name)
+
+
+def sweep_stale(min_age: float = 10.0) -> list[str]:
+    """Remove pooled files (``monarch-p*``) of this host that no living process
+    holds: their pool's process was killed outright (SIGKILL, the OOM killer),
+    so its ``atexit`` never removed them. A pool holds a shared ``flock`` on
+    each of its files; a file on which an exclusive lock can be taken at once
+    is nobody's. Files younger than ``min_age`` seconds are left alone (one
+    being created may not be locked yet), and so are other users' files.
+
+    Returns
+    -------
+    list of str
+        The names removed.
+    """
+    if fcntl is None or not available():
+        return []
+    removed = []
+    now = time.time()
+    try:
+        names = os.listdir(DIRECTORY)
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith(POOL_PREFIX) and NAME_RE.match(name)):
+            continue
+        path = os.path.join(DIRECTORY, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        try:
+            if now - os.fstat(fd).st_ctime < min_age:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its pool lives
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def create(view: memoryview) -> ShmBuffer:

@@ -107,6 +107,7 @@ class Worker(WorkerIO):
         lane_fd: int | None = None,
     ) -> None:
         self.address = address
+        self.pid = os.getpid()  # (a child forked by user code has another: leave_if_forked)
         self.rank = rank
         self.world_size = world_size
         self.shape = shape
@@ -232,6 +233,21 @@ class Worker(WorkerIO):
                 break
         return self.exit_code
 
+    def leave_if_forked(self) -> None:
+        """Exit at once if this is a child that user code forked (``os.fork()``
+        in a cell or an endpoint) and that came back into the worker's code
+        instead of ending with ``os._exit``: it must not answer for the
+        worker, nor keep serving (its parent does), nor remove the parent's
+        shared-memory files. Says so on stderr, which the notebook shows."""
+        if os.getpid() == self.pid:
+            return
+        try:
+            os.write(2, (f"[monarch] rank {self.rank}: process {os.getpid()}, forked by user "
+                         "code, came back to the worker's loop and exits; end forked "
+                         "children with os._exit()\n").encode())
+        finally:
+            os._exit(0)
+
     def _handle(self, msg: protocol.Message) -> None:
         handler = getattr(self, f"_do_{msg.type}", None)
         self.current_parent = msg.id
@@ -256,6 +272,7 @@ class Worker(WorkerIO):
             if status == "error" and value is None:
                 value = {"type": "KeyboardInterrupt", "message": "interrupted",
                          "traceback": "", "exc": None}
+        self.leave_if_forked()
         names = msg.content.get("names") if msg.type == "pull" and status == "ok" else None
         self.reply(msg.id, status, value, names)
 

@@ -121,6 +121,7 @@ class WorkerIO:
 
     def _io_step(self, timeout_ms: int) -> None:
         """One turn of the I/O (by whichever thread leads)."""
+        self.leave_if_forked()  # (a forked child never does the worker's I/O)
         events = dict(self._poller.poll(timeout_ms))
         if self.pull in events:
             for frames in drain(self.pull):

@@ -152,6 +152,7 @@ def test_a_local_mesh_talks_through_lanes_with_output_and_big_values() -> None:
     m = spawn_procs(2)
     try:
         ctl = m.controller
+        assert m.transport == "lanes"
         assert sorted(ctl._lane_of) == [0, 1]
         assert all(ctl.ranks[r].identity.startswith(b"lane.") for r in (0, 1))
         am = m.spawn("echo", Echo)
@@ -179,7 +180,7 @@ def test_a_killed_rank_is_seen_and_its_restart_gets_a_new_lane() -> None:
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: ctl.ranks[1].state == "dead", 10)
         wait_for(lambda: old.fileno() not in ctl._lanes, 10)  # read to its end, closed
-        m.restart(1)
+        m.restart("1")  # (a rank spec, as %mesh restart takes)
         assert ctl._lane_of[1] is not old
         am = m.spawn("echo2", Echo)
         assert am.echo.call("again").get().values() == ["again", "again"]
@@ -192,6 +193,7 @@ def test_lanes_off_falls_back_to_zeromq(monkeypatch) -> None:
     m = spawn_procs(2)
     try:
         ctl = m.controller
+        assert m.transport == "zeromq"
         assert not ctl._lane_of
         assert not any(ctl.ranks[r].identity.startswith(b"lane.") for r in (0, 1))
         am = m.spawn("echo", Echo)
@@ -351,3 +353,53 @@ def test_a_dead_peer_is_an_error_not_a_sigpipe(tmp_path) -> None:
     r = subprocess.run([sys.executable, str(script)], check=False, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "raised", (r.returncode, r.stderr)
+
+
+FORK_AND_RETURN = """
+import os
+pid = os.fork()
+if pid == 0:
+    print("child", os.getpid(), flush=True)  # ... and no os._exit: back to the worker
+else:
+    os.waitpid(pid, 0)
+pid
+"""
+
+
+class Forker(Actor):
+    @endpoint
+    def fork_and_return(self) -> int:
+        pid = os.fork()
+        if pid:
+            os.waitpid(pid, 0)
+        return pid
+
+
+@pytest.mark.parametrize("lanes", ["1", "0"])
+def test_a_forked_child_that_comes_back_to_the_worker_exits(monkeypatch, lanes) -> None:
+    """A child forked by a cell or an endpoint that does not end with os._exit
+    comes back into the worker's code: it leaves at once (saying so), and the
+    cell, the endpoint and the mesh go on (over ZeroMQ it used to spin at full
+    CPU for ever, and the cell waited for it)."""
+    monkeypatch.setenv("MONARCH_LANES", lanes)
+    m = spawn_procs(1)
+    try:
+        r = m.run(FORK_AND_RETURN)
+        assert r.wait(30), "the cell waited for its forked child"
+        assert r.failure is None and not r.failures()
+        text = ""
+        deadline = time.monotonic() + 10
+        while "came back to the worker's loop and exits" not in text:
+            assert time.monotonic() < deadline, f"no word of the child: {text!r}"
+            ev = r.next_event(0.1)
+            if ev is not None:
+                text += "".join(str(x) for x in ev)
+        assert "child" in text and "os._exit()" in text
+        am = m.spawn("forker", Forker)
+        child2 = am.fork_and_return.call_one().get(timeout=30)
+        assert child2 > 0
+        r = m.run("1 + 1")
+        assert r.wait(30) and not r.failures()
+    finally:
+        m.stop()
+    wait_for(lambda: not worker_pids(os.getpid()), 10)

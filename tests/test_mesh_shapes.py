@@ -40,3 +40,23 @@ def test_parse_ranks(spec, expected):
 def test_parse_ranks_errors(spec, match):
     with pytest.raises(RankSpecError, match=match):
         parse_ranks(spec, 4)
+
+
+def test_restart_takes_a_rank_spec_as_the_magic_does() -> None:
+    """``mesh.restart`` takes the rank specs ``%mesh restart`` takes ("all",
+    "0,1", "0:2"), and a bad one is a clear RankSpecError, not a hang."""
+    from monarch_kernel.procmesh import spawn_procs
+
+    m = spawn_procs(2)
+    try:
+        before = {r: m.controller.ranks[r].pid for r in (0, 1)}
+        m.restart("all")
+        after = {r: m.controller.ranks[r].pid for r in (0, 1)}
+        assert all(before[r] != after[r] for r in (0, 1))
+        with pytest.raises(RankSpecError, match="rank 5 does not exist"):
+            m.restart("5")
+        with pytest.raises(RankSpecError, match="bad rank spec"):
+            m.restart("one")
+        assert list(m.collect(m.run("rank"), timeout=30).values()) == [0, 1]
+    finally:
+        m.stop()

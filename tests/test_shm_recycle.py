@@ -159,3 +159,45 @@ def test_a_killed_workers_pooled_files_are_removed():
         wait_for(lambda: not (made & _our_files()), 15, what="the dead worker's files removed")
     finally:
         procs.stop()
+
+
+def test_pooled_files_of_a_killed_process_are_swept_and_live_ones_kept(tmp_path):
+    """A process killed outright leaves its pooled files (no atexit ran); the
+    next sweep removes them, and never a file whose pool is alive."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from monarch_kernel import shm
+        pool = shm.Pool()
+        name, mm = pool.lease(1 << 20)
+        print(name, flush=True)
+        time.sleep(60)
+    """))
+    live = shm.Pool()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        mine, _ = live.lease(1 << 20)
+        theirs = proc.stdout.readline().strip()
+        assert shm.NAME_RE.match(theirs) and theirs.startswith(shm.POOL_PREFIX)
+        assert theirs not in shm.sweep_stale(min_age=0)  # alive: kept
+        assert os.path.exists(os.path.join(shm.DIRECTORY, theirs))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert os.path.exists(os.path.join(shm.DIRECTORY, theirs))  # left behind
+        swept = shm.sweep_stale(min_age=0)
+        assert theirs in swept and mine not in swept
+        assert not os.path.exists(os.path.join(shm.DIRECTORY, theirs))
+        assert os.path.exists(os.path.join(shm.DIRECTORY, mine))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        live.close()
+    assert not os.path.exists(os.path.join(shm.DIRECTORY, mine))
