@@ -151,8 +151,7 @@ class Pool:
                 os.close(fd)
                 unlink(name)
                 raise
-            with self._lock:
-                self._fds[name] = fd
+            self._fds[name] = fd
             seg = (name, n, mm)
         with self._lock:
             self._busy[seg[0]] = seg
@@ -170,10 +169,10 @@ class Pool:
         return seg is not None
 
     def _unlink(self, name: str) -> None:
-        """Remove a pooled file and let go of its lock."""
+        """Remove a pooled file and let go of its lock (``self._lock`` held or
+        not: one dict operation, atomic)."""
         unlink(name)
-        with self._lock:
-            fd = self._fds.pop(name, None)
+        fd = self._fds.pop(name, None)
         if fd is not None:
             os.close(fd)
 
