@@ -173,6 +173,9 @@ class _ActorInstance:
                         actor_cycles.end(self, item[1])
                 # (otherwise it was answered already: it would have closed a wait cycle)
                 self.current = None  # (and its arguments may go)
+                leave = getattr(self.worker, "leave_if_forked", None)
+                if leave is not None:  # a constructor or __supervise__ that forked
+                    leave()
         finally:
             if self.loop is not None:
                 self.loop.close()

@@ -17,7 +17,14 @@ import weakref
 from typing import Any
 
 from .controller import Controller, Request
-from .errors import MeshError, MeshFailure, RemoteError, group_failures, remote_exception
+from .errors import (
+    MeshError,
+    MeshFailure,
+    RankSpecError,
+    RemoteError,
+    group_failures,
+    remote_exception,
+)
 from .launchers import Launcher, LaunchSpec, get_launcher
 from .mesh import Shape, ValueMesh, parse_ranks
 
@@ -83,7 +90,10 @@ class ProcMesh:
     def transport(self) -> str:
         """How this mesh's workers talk to its controller: ``"lanes"`` (Unix
         socket pairs, :mod:`monarch_kernel.lane`: workers the controller
-        started on its own host, the default), ``"zeromq"``, or ``"mixed"``."""
+        started on its own host, the default), ``"zeromq"``, ``"mixed"``, or
+        ``"stopped"``."""
+        if self.root._stopped:
+            return "stopped"
         ctl = self.root.controller
         laned = sum(1 for r in self.ranks if r in ctl._lane_of)
         return "lanes" if laned == len(self.ranks) else "zeromq" if not laned else "mixed"
@@ -297,7 +307,13 @@ class ProcMesh:
         if ranks is None:
             ranks = self.ranks
         elif isinstance(ranks, str):
-            ranks = parse_ranks(ranks, self.world_size)
+            # ("all": this mesh's ranks, which a slice has fewer of than the root)
+            ranks = (self.ranks if ranks.strip() in ("all", "*", "")
+                     else parse_ranks(ranks, self.world_size))
+            outside = [r for r in ranks if r not in self.ranks]
+            if outside:
+                raise RankSpecError(f"ranks {outside} are not part of this mesh "
+                                    f"(its ranks: {self.ranks})")
         elif isinstance(ranks, int):
             ranks = [ranks]
         restart_ranks(self, list(ranks), timeout)

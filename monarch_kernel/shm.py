@@ -41,6 +41,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import sys
 import threading
 import time
@@ -95,7 +96,6 @@ class Pool:
         self.max_bytes = max_bytes
         self._free: list[tuple[str, int, mmap.mmap]] = []
         self._busy: dict[str, tuple[str, int, mmap.mmap]] = {}
-        self._fds: dict[str, int] = {}  # name -> fd holding the file's shared flock
         self._lock = threading.Lock()
 
     def _total(self) -> int:
@@ -135,7 +135,7 @@ class Pool:
                 seg = None
                 for name, _, mm in gone:
                     mm.close()
-                    self._unlink(name)
+                    unlink(name)
         if seg is None:
             name = POOL_PREFIX + secrets.token_hex(12)[:23]
             fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL,
@@ -143,15 +143,17 @@ class Pool:
             with _lock:
                 _created.add(name)
             try:
-                if fcntl is not None:  # held while this pool lives (sweep_stale)
+                # a shared lock, held while the mapping lives (sweep_stale): it belongs
+                # to the open file, which the mapping's own copy of the fd keeps open
+                if fcntl is not None:
                     fcntl.flock(fd, fcntl.LOCK_SH)
                 _allocate(fd, n)
                 mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             except BaseException:
-                os.close(fd)
                 unlink(name)
                 raise
-            self._fds[name] = fd
+            finally:
+                os.close(fd)
             seg = (name, n, mm)
         with self._lock:
             self._busy[seg[0]] = seg
@@ -165,16 +167,8 @@ class Pool:
                 self._free.append(seg)
         if seg is not None and discard:
             seg[2].close()
-            self._unlink(name)
+            unlink(name)
         return seg is not None
-
-    def _unlink(self, name: str) -> None:
-        """Remove a pooled file and let go of its lock (``self._lock`` held or
-        not: one dict operation, atomic)."""
-        unlink(name)
-        fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -182,7 +176,7 @@ class Pool:
             self._free, self._busy = [], {}
         for name, _, mm in segs:
             mm.close()
-            self._unlink(name)
+            unlink(name)
 
 
 def sweep_stale(min_age: float = 10.0) -> list[str]:
@@ -210,12 +204,14 @@ def sweep_stale(min_age: float = 10.0) -> list[str]:
         if not (name.startswith(POOL_PREFIX) and NAME_RE.match(name)):
             continue
         path = os.path.join(DIRECTORY, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # (O_NONBLOCK: a FIFO planted under such a name must not block us)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:  # gone meanwhile, or another user's
             continue
         try:
-            if now - os.fstat(fd).st_ctime < min_age:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                    or now - st.st_ctime < min_age):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -442,6 +438,18 @@ def unlink(name: str) -> None:
         os.unlink(os.path.join(DIRECTORY, name))
     except FileNotFoundError:
         pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child owns none of its parent's files: its exit, atexit or
+    SIGTERM handler must not remove them."""
+    global _lock
+    _lock = threading.Lock()  # (a thread of the parent may have held it)
+    _created.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -375,6 +375,18 @@ class Forker(Actor):
         return pid
 
 
+class ForkInInit(Actor):
+    def __init__(self) -> None:
+        time.sleep(0.5)  # (the worker's I/O thread holds the lead when it forks)
+        pid = os.fork()  # (the child comes back into the actor's thread)
+        if pid:
+            os.waitpid(pid, 0)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
 @pytest.mark.parametrize("lanes", ["1", "0"])
 def test_a_forked_child_that_comes_back_to_the_worker_exits(monkeypatch, lanes) -> None:
     """A child forked by a cell or an endpoint that does not end with os._exit
@@ -398,6 +410,7 @@ def test_a_forked_child_that_comes_back_to_the_worker_exits(monkeypatch, lanes) 
         am = m.spawn("forker", Forker)
         child2 = am.fork_and_return.call_one().get(timeout=30)
         assert child2 > 0
+        assert m.spawn("init_forker", ForkInInit).ping.call_one().get(timeout=30) == "pong"
         r = m.run("1 + 1")
         assert r.wait(30) and not r.failures()
     finally:

@@ -161,43 +161,69 @@ def test_a_killed_workers_pooled_files_are_removed():
         procs.stop()
 
 
-def test_pooled_files_of_a_killed_process_are_swept_and_live_ones_kept(tmp_path):
+def test_pooled_files_of_a_killed_process_are_swept_and_live_ones_kept(tmp_path,
+                                                                        monkeypatch):
     """A process killed outright leaves its pooled files (no atexit ran); the
-    next sweep removes them, and never a file whose pool is alive."""
+    next sweep removes them, and never a file whose pool is alive, nor
+    anything that is not a regular file (a FIFO must not block the sweep)."""
     import os
+    import select
     import signal
     import subprocess
     import sys
     import textwrap
 
+    shm_dir = tmp_path / "shm"  # (not the host's /dev/shm: nobody else's files)
+    shm_dir.mkdir()
+    monkeypatch.setattr(shm, "DIRECTORY", str(shm_dir))
     script = tmp_path / "owner.py"
-    script.write_text(textwrap.dedent("""
-        import sys, time
+    script.write_text(textwrap.dedent(f"""
+        import time
         from monarch_kernel import shm
+        shm.DIRECTORY = {str(shm_dir)!r}
         pool = shm.Pool()
         name, mm = pool.lease(1 << 20)
         print(name, flush=True)
         time.sleep(60)
     """))
+    os.mkfifo(shm_dir / ("monarch-p" + "0" * 23))
     live = shm.Pool()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         mine, _ = live.lease(1 << 20)
+        assert select.select([proc.stdout], [], [], 60)[0], "the owner did not start"
         theirs = proc.stdout.readline().strip()
         assert shm.NAME_RE.match(theirs) and theirs.startswith(shm.POOL_PREFIX)
-        assert theirs not in shm.sweep_stale(min_age=0)  # alive: kept
-        assert os.path.exists(os.path.join(shm.DIRECTORY, theirs))
+        assert shm.sweep_stale(min_age=0) == []  # alive: kept (and the FIFO skipped)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert os.path.exists(os.path.join(shm.DIRECTORY, theirs))  # left behind
-        swept = shm.sweep_stale(min_age=0)
-        assert theirs in swept and mine not in swept
-        assert not os.path.exists(os.path.join(shm.DIRECTORY, theirs))
-        assert os.path.exists(os.path.join(shm.DIRECTORY, mine))
+        assert (shm_dir / theirs).exists()  # left behind
+        assert shm.sweep_stale(min_age=0) == [theirs]
+        assert not (shm_dir / theirs).exists() and (shm_dir / mine).exists()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
         proc.stdout.close()
         live.close()
-    assert not os.path.exists(os.path.join(shm.DIRECTORY, mine))
+    assert not (shm_dir / mine).exists()
+
+
+def test_a_forked_child_never_removes_its_parents_files():
+    """A fork (multiprocessing, a user's os.fork) that exits, is sent SIGTERM or
+    runs atexit owns none of the parent's shared-memory files."""
+    import os
+
+    pool = shm.Pool()
+    try:
+        name, _ = pool.lease(1 << 20)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                shm.cleanup()  # what a worker's exit or SIGTERM handler runs
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.path.exists(os.path.join(shm.DIRECTORY, name))
+    finally:
+        pool.close()
