@@ -52,9 +52,12 @@ class Evil:
 
 
 def dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
-    """A DEALER with routing identity ``identity``, connected to ``address``."""
+    """A DEALER with routing identity ``identity``, connected to ``address``
+    (a send that cannot go within 5 s, no connection being up, raises
+    ``zmq.Again`` rather than waiting for ever)."""
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
+    s.sndtimeo = 5000
     s.setsockopt(zmq.IDENTITY, identity)
     s.connect(address)
     return s
