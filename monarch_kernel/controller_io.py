@@ -328,7 +328,7 @@ class ControllerIO:
         lane = Lane(sock, f"lane-r{rank}")
         # the identity its messages are routed with (learnt from the signed hello)
         ident = f"lane.{rank}.{sock.fileno()}.{time.monotonic_ns()}".encode()
-        lane.identity = ident  # type: ignore[attr-defined]
+        lane.identity = ident
         with self._lock:
             self._lane_of[rank] = lane
             self._new_lanes.append(lane)
@@ -352,7 +352,7 @@ class ControllerIO:
 
     def _read_lane(self, lane: Lane, poller: zmq.Poller) -> None:
         """Handle what came on ``lane``; close it at its end (the rank exited)."""
-        ident = lane.identity  # type: ignore[attr-defined]
+        ident = lane.identity
         try:
             messages = lane.read()
         except Exception:  # (out of memory for a huge message, ...): the lane is lost

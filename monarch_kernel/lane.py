@@ -112,6 +112,8 @@ class Lane:
         sock.setblocking(False)
         self.sock = sock
         self.name = name
+        #: the routing identity the controller gives the lane's messages
+        self.identity = b""
         self.eof = False
         self._fd = sock.fileno()  # (kept: a closed socket's fileno() is -1)
         self._pid = os.getpid()
