@@ -325,10 +325,9 @@ class ControllerIO:
         (:mod:`monarch_kernel.lane`; any thread): its messages go that way
         from now on, and the thread that leads reads it. A lane the rank
         had before (a restart) is read to its end, then closed."""
-        lane = Lane(sock, f"lane-r{rank}")
-        # the identity its messages are routed with (learnt from the signed hello)
+        # routed with an identity of its own (learnt from the signed hello, as a socket's)
         ident = f"lane.{rank}.{sock.fileno()}.{time.monotonic_ns()}".encode()
-        lane.identity = ident
+        lane = Lane(sock, f"lane-r{rank}", ident)
         with self._lock:
             self._lane_of[rank] = lane
             self._new_lanes.append(lane)
@@ -352,7 +351,6 @@ class ControllerIO:
 
     def _read_lane(self, lane: Lane, poller: zmq.Poller) -> None:
         """Handle what came on ``lane``; close it at its end (the rank exited)."""
-        ident = lane.identity
         try:
             messages = lane.read()
         except Exception:  # (out of memory for a huge message, ...): the lane is lost
@@ -361,7 +359,7 @@ class ControllerIO:
             lane.eof = True
         for frames in messages:
             try:
-                self._receive([ident, *frames])
+                self._receive([lane.identity, *frames])
             except Exception:
                 log.exception("the controller dropped a message it could not handle")
         if lane.eof:

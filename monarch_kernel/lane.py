@@ -106,14 +106,15 @@ class Lane:
         A connected Unix stream socket (made non-blocking here).
     name : str
         For error messages and the flusher thread's name.
+    identity : bytes
+        The routing identity the controller gives the lane's messages.
     """
 
-    def __init__(self, sock: socket.socket, name: str = "lane") -> None:
+    def __init__(self, sock: socket.socket, name: str = "lane", identity: bytes = b"") -> None:
         sock.setblocking(False)
         self.sock = sock
         self.name = name
-        #: the routing identity the controller gives the lane's messages
-        self.identity = b""
+        self.identity = identity
         self.eof = False
         self._fd = sock.fileno()  # (kept: a closed socket's fileno() is -1)
         self._pid = os.getpid()
@@ -125,7 +126,7 @@ class Lane:
         self._buf = bytearray(CHUNK)
         self._start = 0  # first byte not parsed yet
         self._end = 0  # first byte not filled yet
-
+        self._need = 0  # bytes the partial message at _start needs in all (0: unknown)
         _lanes.add(self)
 
     def fileno(self) -> int:
@@ -264,7 +265,7 @@ class Lane:
             buf = self._buf
             if self._end == len(buf):  # full: make room (move the partial message down)
                 partial = self._end - self._start
-                need = self._needed()
+                need = self._need
                 if self._start:
                     buf[:partial] = buf[self._start:self._end]
                     self._start, self._end = 0, partial
@@ -290,25 +291,20 @@ class Lane:
                         self._buf = bytearray(CHUNK)
                 return out
 
-    def _needed(self) -> int:
-        """Bytes the partial message at ``_start`` needs in all (0 if unknown yet)."""
-        buf, pos, have = self._buf, self._start, self._end - self._start
-        if have < 4:
-            return 0
-        (n,) = _COUNT.unpack_from(buf, pos)
-        if have < 4 + 8 * n:
-            return 4 + 8 * n
-        return 4 + 8 * n + sum(struct.unpack_from(f"<{n}Q", buf, pos + 4))
-
     def _parse(self, out: list[list[bytearray]]) -> None:
+        """Append the complete messages from ``_start`` to ``out``; for a partial
+        one left, note in ``_need`` how many bytes it needs (as far as known)."""
         buf, pos, end = self._buf, self._start, self._end
+        self._need = 0
         while end - pos >= 4:
             (n,) = _COUNT.unpack_from(buf, pos)
             at = pos + 4 + 8 * n
             if at > end:
+                self._need = at - pos
                 break
             lens = struct.unpack_from(f"<{n}Q", buf, pos + 4)
             if at + sum(lens) > end:
+                self._need = at + sum(lens) - pos
                 break
             frames = []
             for ln in lens:

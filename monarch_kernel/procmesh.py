@@ -11,12 +11,12 @@ its meshes has them stopped at exit.
 from __future__ import annotations
 
 import atexit
-import socket
 import threading
 import weakref
 from typing import Any
 
 from .controller import Controller, Request
+from .dist_setup import DIST_BACKENDS, setup_mesh
 from .errors import (
     MeshError,
     MeshFailure,
@@ -31,15 +31,6 @@ from .mesh import Shape, ValueMesh, parse_ranks
 __all__ = ["HostMesh", "ProcMesh", "spawn_procs", "this_host"]
 
 _live: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
-
-DIST_BACKENDS = ("gloo", "nccl", "none")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 class ProcMesh:
     """A mesh of worker processes with named dimensions.
@@ -231,20 +222,7 @@ class ProcMesh:
         routes to the controller, which its peers can reach whatever its host
         name resolves to); MASTER_PORT a free port there.
         """
-        root = self.root
-        host = root.controller.address.split("//")[1].rsplit(":", 1)[0]
-        if root.launcher.local:
-            master, port = host, _free_port(host)
-        else:
-            master, port = _rank0_endpoint(root, host, timeout)
-        env = _setup_env(root, master, port)
-        reqs = [root.controller.request([r], "setup", {"dist": root.dist, "env": env[r],
-                                                       "timeout": timeout})
-                for r in root.ranks]
-        for req in reqs:
-            if not req.wait(timeout + 10):
-                raise TimeoutError(f"torch.distributed set-up did not finish in {timeout} s")
-            raise_failures(req)
+        setup_mesh(self.root, timeout)
 
     # ---------------------------------------------------------------- actors
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
@@ -519,22 +497,6 @@ def spawn_procs(
     return mesh
 
 
-def _rank0_endpoint(root: ProcMesh, controller_host: str, timeout: float) -> tuple[str, int]:
-    """(address, free port) of rank 0, found on rank 0 without touching its namespace."""
-    code = (
-        "(lambda socket: (lambda u, s: (u.connect((%r, 9)), s.bind((u.getsockname()[0], 0)),"
-        " (u.getsockname()[0], s.getsockname()[1]), u.close(), s.close())[2])"
-        "(socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket()))"
-        "(__import__('socket'))"
-    ).replace("%r", repr(controller_host))
-    req = root.controller.request([0], "execute", {"code": code, "filename": "<monarch-dist>"})
-    if not req.wait(timeout):
-        raise TimeoutError(f"rank 0 did not say its address within {timeout} s")
-    raise_failures(req)
-    addr, port = req.replies[0][1]
-    return addr, int(port)
-
-
 def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any,
                     encrypt: bool | None = None) -> Controller:
     """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
@@ -559,16 +521,6 @@ def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output:
               "anyone on that network can read it; use only trusted networks",
               file=sys.stderr, flush=True)
     return ctl
-
-
-def _setup_env(mesh: ProcMesh, master_addr: str, port: int) -> dict[int, dict[str, str]]:
-    procs = mesh.shape.sizes[-1] if mesh.shape.sizes else 1
-    n = len(mesh.root.shape)
-    return {r: {"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-                "WORLD_SIZE": str(n), "LOCAL_RANK": str(r % procs),
-                "LOCAL_WORLD_SIZE": str(procs)} for r in mesh.root.ranks}
-
-
 
 
 class HostMesh:

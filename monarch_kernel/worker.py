@@ -48,6 +48,7 @@ import zmq
 from . import protocol, telemetry
 from . import shm as _shm
 from .capture import FdCapture
+from .dist_setup import init_rank
 from .errors import RemoteError, SerializationError, _ranks_label
 from .lane import Lane
 from .serialize import cuda_ipc
@@ -396,42 +397,7 @@ class Worker(WorkerIO):
         return out
 
     def _do_setup(self, content: dict[str, Any]) -> None:
-        os.environ.update(content.get("env", {}))
-        backend = content.get("dist")
-        if backend and backend != "none":
-            import datetime
-
-            import torch
-            import torch.distributed as dist
-
-            if dist.is_initialized():  # a restart of the mesh: join the new group
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001 - the old group may be broken
-                    pass
-            if backend == "nccl":
-                local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-                if not torch.cuda.is_available():
-                    raise RuntimeError(
-                        f"--dist nccl needs a GPU, but rank {self.rank} sees none; "
-                        "use --dist gloo on CPU-only machines"
-                    )
-                from . import gpu  # every thread of the rank: actors, telemetry, arrivals
-
-                gpu.assign(local_rank % torch.cuda.device_count())
-            dist.init_process_group(
-                backend,
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=float(content.get("timeout", 120))),
-            )
-            if backend == "nccl":
-                _check_one_gpu_per_rank(dist, torch, self.rank, self.world_size)
-            self.namespace.setdefault("dist", dist)
-            self.namespace.setdefault("torch", torch)
-            from . import tensor_store  # the mesh's named dimensions as a DeviceMesh
-
-            self.namespace["device_mesh"] = tensor_store.init_device_mesh(self.shape, backend)
+        init_rank(self, content)  # torch.distributed (dist_setup)
 
     def _do_stop(self, content: Any) -> None:
         dist = sys.modules.get("torch.distributed")
@@ -468,42 +434,6 @@ class Worker(WorkerIO):
         if self.up is not None:
             with self._up_lock:
                 self.up.close(linger=2000)  # let the last reply leave
-
-
-def _check_one_gpu_per_rank(dist: Any, torch: Any, rank: int, world_size: int) -> None:
-    """Raise at set-up when ranks share a GPU under ``--dist nccl``.
-
-    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), but only at
-    the first collective, deep inside a cell. Each rank counts the ranks on its
-    GPU (by UUID, so any ``CUDA_VISIBLE_DEVICES`` scheme is judged by what it
-    really selects) in the process group's own store: no NCCL communicator yet.
-
-    Raises
-    ------
-    RuntimeError
-        On every rank whose GPU another rank of the mesh uses too.
-    """
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - private API gone: NCCL will say it at the first collective
-        return
-    device = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(device)
-    gpu = str(getattr(props, "uuid", "") or "") or f"{socket.gethostname()}/{device}"
-    key = "monarch/gpu-users/"
-    store.add(key + gpu, 1)
-    if store.add(key + "arrived", 1) == world_size:
-        store.set(key + "all", "1")
-    store.wait([key + "all"])  # every rank counted (the group's timeout applies)
-    users = store.add(key + gpu, 0)
-    if users > 1:
-        count = torch.cuda.device_count()
-        raise RuntimeError(
-            f"--dist nccl needs one GPU per rank, but rank {rank} shares GPU cuda:{device} "
-            f"({props.name}) on host {socket.gethostname()} with {users - 1} other rank(s), "
-            f"and this host shows only {count} GPU(s); spawn at most {count} rank(s) per "
-            "host, or use --dist gloo"
-        )
 
 
 def _type_name(obj: Any) -> str:

@@ -127,10 +127,7 @@ class WorkerIO:
             for frames in drain(self.pull):
                 if len(frames) == 1 and not frames[0].buffer.nbytes:
                     continue  # a wake-up (an actor thread that leads)
-                if self.lane is not None:
-                    self.lane.send(frames)
-                else:
-                    send_frames(self.dealer, frames)
+                send_frames(self.dealer, frames)  # (only without a lane or `up`)
         if self.stopping.is_set():
             return
         if self.lane is not None:
