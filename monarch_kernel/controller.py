@@ -44,6 +44,7 @@ from .controller_io import ControllerIO, spin_seconds
 from .controller_output import RankOutput
 from .errors import MeshFailure, ProtocolError, TransportError
 from .lane import Lane, lanes_enabled
+from .lane import prepare as lane_prepare
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
 from .sigint import DeferredSigint
@@ -182,13 +183,16 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
     def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
         self._spin_next = True  # replies may come soon: a waiting caller looks first
         self._spin_misses = 0
+        prepared = None  # the lane framing of `frames`, made once for all lanes
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
                 lane = self._lane_of.get(r)
                 if lane is not None:
+                    if prepared is None:
+                        prepared = lane_prepare(frames)
                     try:
-                        lane.send(frames)
+                        lane.send_prepared(prepared)
                     except TransportError as e:  # its process is gone
                         raise TransportError(f"cannot send to rank {r}: {e}") from e
                 elif info.down:
@@ -402,9 +406,14 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             except Exception:
                 log.exception("a controller listener failed")
 
-    def _receive(self, frames: list[Any]) -> None:
+    def _receive(self, frames: list[Any], lane: bytes | None = None) -> None:
+        """Handle one message: from the ROUTER (``frames`` start with the identity)
+        or from the lane whose identity is ``lane``."""
         try:
-            msg = self.codec.decode(frames, router=True, lazy=True)
+            if lane is None:
+                msg = self.codec.decode(frames, router=True, lazy=True)
+            else:
+                msg = self.codec.decode(frames, lazy=True, identity=[lane])
         except ProtocolError as e:
             log.warning("the controller dropped a message: %s", e)
             return

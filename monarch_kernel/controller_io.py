@@ -359,7 +359,7 @@ class ControllerIO:
             lane.eof = True
         for frames in messages:
             try:
-                self._receive([lane.identity, *frames])
+                self._receive(frames, lane.identity)
             except Exception:
                 log.exception("the controller dropped a message it could not handle")
         if lane.eof:

@@ -51,9 +51,34 @@ from typing import Any
 from .errors import TransportError
 from .sigint import DeferredSigint
 
-__all__ = ["Lane", "lanes_enabled", "pair"]
+__all__ = ["Lane", "lanes_enabled", "pair", "prepare"]
 
 _COUNT = struct.Struct("<I")
+#: the header struct of a message of n frames (``<u32 n><u64 len>*n``), by n
+_HEADS: dict[int, struct.Struct] = {}
+#: the lengths struct of n frames (``<u64 len>*n``), by n
+_LENS: dict[int, struct.Struct] = {}
+
+
+_CACHED = 64  # frame counts whose structs are kept
+
+
+def _head(n: int) -> struct.Struct:
+    s = _HEADS.get(n)
+    if s is None:
+        s = struct.Struct(f"<I{n}Q")
+        if n <= _CACHED:
+            _HEADS[n] = s
+    return s
+
+
+def _lens(n: int) -> struct.Struct:
+    s = _LENS.get(n)
+    if s is None:
+        s = struct.Struct(f"<{n}Q")
+        if n <= _CACHED:
+            _LENS[n] = s
+    return s
 #: bytes read from the socket at a time (one read takes every small message waiting)
 CHUNK = 1 << 18
 #: what a socket is asked to buffer each way (bytes; the kernel may cap it)
@@ -150,11 +175,12 @@ class Lane:
         TypeError, BufferError
             If a frame is not a C-contiguous buffer (nothing is sent then).
         """
-        views = [f if type(f) is bytes else _bytes_view(f) for f in frames]
-        lens = [len(v) if type(v) is bytes else v.nbytes for v in views]
-        head = _COUNT.pack(len(views)) + struct.pack(f"<{len(views)}Q", *lens)
-        parts = [head, *views]
-        total = len(head) + sum(lens)
+        self.send_prepared(prepare(frames))
+
+    def send_prepared(self, prepared: tuple[list[Any], int]) -> None:
+        """Send a message made by :func:`prepare` (one message sent on several
+        lanes, a broadcast, is prepared once). Raises as :meth:`send`."""
+        parts, total = prepared
         # a KeyboardInterrupt between a partial write and queueing the rest would
         # leave half a message on the stream: Ctrl-C waits until this is done
         with DeferredSigint(), self._lock:
@@ -167,7 +193,8 @@ class Lane:
                 self._queue(parts, 0)
                 return
             try:
-                sent = self.sock.sendmsg(parts[:_IOV_MAX], (), _FLAGS)
+                sent = self.sock.sendmsg(parts if len(parts) <= _IOV_MAX else parts[:_IOV_MAX],
+                                         (), _FLAGS)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
@@ -302,7 +329,7 @@ class Lane:
             if at > end:
                 self._need = at - pos
                 break
-            lens = struct.unpack_from(f"<{n}Q", buf, pos + 4)
+            lens = _lens(n).unpack_from(buf, pos + 4)
             if at + sum(lens) > end:
                 self._need = at + sum(lens) - pos
                 break
@@ -361,6 +388,21 @@ def _after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
+
+
+def prepare(frames: list[Any]) -> tuple[list[Any], int]:
+    """The parts of one message on a lane (its framing header, then its frames
+    as flat views) and their total size in bytes, for :meth:`Lane.send_prepared`.
+
+    Raises
+    ------
+    TypeError, BufferError
+        If a frame is not a C-contiguous buffer.
+    """
+    views = [f if type(f) is bytes else _bytes_view(f) for f in frames]
+    lens = [len(v) if type(v) is bytes else v.nbytes for v in views]
+    head = _head(len(views)).pack(len(views), *lens)
+    return [head, *views], len(head) + sum(lens)
 
 
 def _bytes_view(frame: Any) -> memoryview:

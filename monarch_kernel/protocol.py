@@ -325,17 +325,21 @@ class Codec:
         header = pack_header(type, id or self.new_id(), parent, self.sender, lengths, sh)
         return self.seal(header, payload, buffers)
 
-    def decode(self, frames: list[Any], router: bool = False, lazy: bool = False) -> Message:
+    def decode(self, frames: list[Any], router: bool = False, lazy: bool = False,
+               identity: list[bytes] | None = None) -> Message:
         """Verify and decode frames received from a socket.
 
         Parameters
         ----------
-        frames : list of bytes, memoryview or zmq.Frame
+        frames : list of bytes, bytearray, memoryview or zmq.Frame
         router : bool
             True when the frames came from a ROUTER socket and start with
             identity frames.
         lazy : bool
             Leave the payload pickled until ``Message.content`` is first read.
+        identity : list of bytes, optional
+            The routing identity of frames that came without identity frames
+            (a lane's: :mod:`monarch_kernel.lane`); ``router`` must be False.
 
         Raises
         ------
@@ -344,8 +348,7 @@ class Codec:
             an oversized or malformed message, or a payload that does not
             unpickle. Nothing is unpickled before the signature is checked.
         """
-        views = [_view(f) for f in frames]
-        identity: list[bytes] = []
+        views = [memoryview(f) if type(f) in _PLAIN else _view(f) for f in frames]
         if router:
             try:
                 i = next(i for i, v in enumerate(views) if v[:4] == MAGIC)
@@ -353,6 +356,8 @@ class Codec:
                 raise ProtocolError("no protocol magic frame (not a monarch_kernel message)")
             identity = [bytes(v) for v in views[:i]]
             views = views[i:]
+        elif identity is None:
+            identity = []
         if not views or views[0].nbytes < _HEAD or views[0][:4] != MAGIC:
             raise ProtocolError(f"malformed message: {len(views)} frames, bad or missing magic")
         env = views[0]
@@ -362,7 +367,7 @@ class Codec:
                 f"message header+payload of {env.nbytes - _HEAD} bytes exceeds "
                 f"the limit of {self.max_header} bytes"
             )
-        total = sum(b.nbytes for b in buffers)
+        total = sum(b.nbytes for b in buffers) if buffers else 0
         if total > self.max_buffers:
             raise ProtocolError(
                 f"message buffers of {total} bytes exceed the limit of {self.max_buffers} bytes"
@@ -375,8 +380,8 @@ class Codec:
             raise ProtocolError(f"malformed message header: length {hlen} beyond the frame")
         header_b, payload = env[_HEAD:_HEAD + hlen], env[_HEAD + hlen:]
         mtype, mid, parent, sender, lengths, sh = _parse_header(bytes(header_b))
-        if len(lengths) != len(buffers) or any(
-                n != b.nbytes for n, b in zip(lengths, buffers)):
+        if (lengths or buffers) and (len(lengths) != len(buffers) or any(
+                n != b.nbytes for n, b in zip(lengths, buffers))):
             raise ProtocolError(f"malformed message header: it names {len(lengths)} buffer(s) "
                                 f"of {list(lengths)[:8]} bytes, the message has "
                                 f"{[b.nbytes for b in buffers][:8]}")
@@ -476,9 +481,15 @@ def _parse_header(h: bytes) -> tuple[str, str, str | None, str, tuple, tuple]:
         parent = None if lp == _NO_PARENT else h[o + ls + li:off].decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("malformed message header: a name that is not ASCII") from None
+    if not nb and not nsh:  # a control message (the common case)
+        return TYPE_CODES[code], mid, parent, sender, (), ()
     lengths = struct.unpack_from(f"<{nb}Q", h, off)
     sh = struct.unpack_from(f"<{nsh}H", h, off + 8 * nb)
     return TYPE_CODES[code], mid, parent, sender, lengths, sh
+
+
+#: frame types memoryview() takes as they are (no zmq.Frame ``buffer`` to look up)
+_PLAIN = frozenset({bytes, bytearray, memoryview})
 
 
 def _view(frame: Any) -> memoryview:

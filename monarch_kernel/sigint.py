@@ -24,26 +24,45 @@ class DeferredSigint:
     """Context manager: a ``SIGINT`` during the block is noted, not raised, and
     the previous handler runs (``KeyboardInterrupt``) when the block ends
     without an exception. In other threads, which Python's signal handlers
-    never interrupt, it does nothing. Nests."""
+    never interrupt, it does nothing. Nests: an inner block (a lane's send
+    inside a request's) leaves the handler to the outermost one, whose
+    :attr:`hit` it shares."""
 
     def __init__(self) -> None:
-        self.hit: tuple[int, Any] | None = None
+        self._hit: tuple[int, Any] | None = None
         self.prev: Any = None
+        self._outer: DeferredSigint | None = None
+
+    @property
+    def hit(self) -> tuple[int, Any] | None:
+        """(signum, frame) of a SIGINT noted during the block, else None."""
+        return self._outer._hit if self._outer is not None else self._hit
 
     def __enter__(self) -> DeferredSigint:
+        global _active
         if threading.current_thread() is threading.main_thread():
+            if _active is not None:  # nested: the outermost block notes it
+                self._outer = _active
+                return self
             # the C functions: signal.signal's enum wrapping costs ~6 us a call here
             prev = _signal.getsignal(_SIGINT)
             if callable(prev):
                 self.prev = prev
                 _signal.signal(_SIGINT, self._note)
+                _active = self
         return self
 
     def _note(self, signum: int, frame: Any) -> None:
-        self.hit = (signum, frame)
+        self._hit = (signum, frame)
 
     def __exit__(self, *exc: object) -> None:
+        global _active
         if self.prev is not None:
+            _active = None
             _signal.signal(_SIGINT, self.prev)
-            if self.hit is not None and exc[0] is None:
-                self.prev(*self.hit)
+            if self._hit is not None and exc[0] is None:
+                self.prev(*self._hit)
+
+
+#: the outermost DeferredSigint of the main thread now (None: none is active)
+_active: DeferredSigint | None = None

@@ -60,6 +60,19 @@ log = logging.getLogger("monarch_kernel.worker")
 
 _CO_COROUTINE = 0x0080
 
+#: this process's pid, kept current across os.fork (getpid(2) is a system call, and
+#: leave_if_forked asks at each step of the hot path)
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
 #: the running worker of this process (None outside a worker)
 current: Worker | None = None
 
@@ -240,7 +253,7 @@ class Worker(WorkerIO):
         instead of ending with ``os._exit``: it must not answer for the
         worker, nor keep serving (its parent does), nor remove the parent's
         shared-memory files. Says so on stderr, which the notebook shows."""
-        if os.getpid() == self.pid:
+        if _pid == self.pid:  # (kept by os.register_at_fork: no system call)
             return
         try:
             os.write(2, (f"[monarch] rank {self.rank}: process {os.getpid()}, forked by user "
