@@ -48,7 +48,7 @@ from .lane import prepare as lane_prepare
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
 from .sigint import DeferredSigint
-from .transport import Outbox, bind_router, inproc_pair, is_loopback, send_frames
+from .transport import FdPoller, Outbox, bind_router, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -159,7 +159,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self._led_at = 0.0  # monotonic time a caller last stopped leading
         self._resume = threading.Event()  # wakes the I/O thread (resume_io)
         self._stepped_at = time.monotonic()  # last I/O step, by any thread
-        self._poller: zmq.Poller | None = None
+        self._poller: FdPoller | None = None
         self._last_beat = self._last_check = time.monotonic()
         self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
                                         daemon=True)

@@ -53,7 +53,7 @@ import zmq
 from .errors import MeshFailure, TransportError
 from .lane import Lane
 from .sigint import DeferredSigint
-from .transport import drain, has_input, send_frames
+from .transport import FdPoller, drain, has_input, send_frames
 
 #: microseconds a waiting caller looks for its reply before it sleeps (see above)
 SPIN_US = 100
@@ -119,7 +119,7 @@ class ControllerIO:
     """The I/O half of the controller (see the module docstring)."""
 
     def _io_loop(self) -> None:
-        self._poller = poller = zmq.Poller()
+        self._poller = poller = FdPoller()  # (one poll(2) a step: see transport.FdPoller)
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         self._last_beat = self._last_check = time.monotonic()
@@ -290,6 +290,9 @@ class ControllerIO:
         lanes = self._lane_poll.poll if self._lanes else None
         clock = time.perf_counter
         end = clock() + seconds
+        poller = self._poller
+        if poller is not None:  # (asking its events may take the signal of an input)
+            poller.touched(router)
         try:
             while not has_input(router) and not (lanes and lanes(0)):
                 now = clock()
@@ -340,7 +343,7 @@ class ControllerIO:
         except TransportError:  # closed: nothing to wake
             pass
 
-    def _register_lanes(self, poller: zmq.Poller) -> None:
+    def _register_lanes(self, poller: FdPoller) -> None:
         with self._lock:
             new, self._new_lanes = self._new_lanes, []
         for lane in new:
@@ -349,7 +352,7 @@ class ControllerIO:
             poller.register(fd, zmq.POLLIN)
             self._lane_poll.register(fd, select.POLLIN)
 
-    def _read_lane(self, lane: Lane, poller: zmq.Poller) -> None:
+    def _read_lane(self, lane: Lane, poller: FdPoller) -> None:
         """Handle what came on ``lane``; close it at its end (the rank exited)."""
         try:
             messages = lane.read()
@@ -369,7 +372,7 @@ class ControllerIO:
                 self._lane_poll.unregister(fd)
             lane.close()
 
-    def _io_step(self, poller: zmq.Poller, timeout_ms: int = 50) -> None:
+    def _io_step(self, poller: FdPoller, timeout_ms: int = 50) -> None:
         """One turn of the I/O: pipes, outbox, incoming messages, checks, beats
         (by whichever thread leads)."""
         if self._new_pipes:
@@ -388,6 +391,7 @@ class ControllerIO:
             for frames in drain(self.pull):
                 if len(frames) == 1:  # a wake-up (adopt_pipes, a caller that leads)
                     continue
+                poller.touched(self.router)  # (a send may take the signal of an input)
                 try:
                     send_frames(self.router, frames)
                 except zmq.ZMQError as e:  # host unreachable: the rank is gone
@@ -417,6 +421,7 @@ class ControllerIO:
                     if info.down:
                         self._send_down(info.identity, beat, retry=0)
                         continue
+                    poller.touched(self.router)
                     try:
                         send_frames(self.router, [info.identity, *beat])
                     except zmq.ZMQError:

@@ -18,6 +18,7 @@ import select
 import zmq
 
 from .request import RankInfo, Request, _Pipe
+from .transport import FdPoller
 
 log = logging.getLogger("monarch_kernel.controller")
 
@@ -38,7 +39,7 @@ class RankOutput:
             self._new_pipes.append((rank, stdout_fd, stderr_fd))
         self._wake_io()  # it registers them now
 
-    def _register_pipes(self, poller: zmq.Poller) -> None:
+    def _register_pipes(self, poller: FdPoller) -> None:
         with self._lock:
             new, self._new_pipes = self._new_pipes, []
         for rank, out_fd, err_fd in new:
@@ -49,7 +50,7 @@ class RankOutput:
                     self._rank_polls[rank] = select.poll()
                 self._rank_polls[rank].register(fd, select.POLLIN)
 
-    def _read_pipe(self, pipe: _Pipe, poller: zmq.Poller | None) -> None:
+    def _read_pipe(self, pipe: _Pipe, poller: FdPoller | None) -> None:
         """Forward what is in ``pipe`` now; close it at EOF."""
         while True:
             try:

@@ -301,6 +301,8 @@ class Packed:
             return value
         if self.payload == _NO_ARGS:  # an endpoint called without arguments
             return (), {}
+        if self.payload == _NONE:  # the value of most endpoints
+            return None
         return loads(self.payload, self.buffers)
 
     def __reduce__(self) -> tuple:
@@ -312,6 +314,7 @@ class Packed:
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
 _PACKED_NONE = Packed(pickle.dumps(None, protocol=PROTOCOL))
 _NO_ARGS = pickle.dumps(((), {}), protocol=PROTOCOL)
+_NONE = _PACKED_NONE.payload
 
 
 def _plain(obj: Any, depth: int) -> bool:

@@ -11,6 +11,8 @@ previous handler once the block is done.
 from __future__ import annotations
 
 import _signal
+import _thread
+import os
 import signal
 import threading
 from typing import Any
@@ -40,7 +42,7 @@ class DeferredSigint:
 
     def __enter__(self) -> DeferredSigint:
         global _active
-        if threading.current_thread() is threading.main_thread():
+        if _thread.get_ident() == _main_ident:
             if _active is not None:  # nested: the outermost block notes it
                 self._outer = _active
                 return self
@@ -66,3 +68,16 @@ class DeferredSigint:
 
 #: the outermost DeferredSigint of the main thread now (None: none is active)
 _active: DeferredSigint | None = None
+#: the main thread's id (Python runs signal handlers there only); a fork made
+#: in another thread makes that thread the child's main thread
+_main_ident = threading.main_thread().ident
+
+
+def _after_fork() -> None:
+    global _main_ident, _active
+    _main_ident = threading.main_thread().ident
+    _active = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import os
+import select
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,8 +34,8 @@ import zmq
 
 from .errors import TransportError
 
-__all__ = ["Outbox", "bind_router", "connect_dealer", "drain", "has_input", "inproc_pair",
-           "is_loopback", "send_frames"]
+__all__ = ["FdPoller", "Outbox", "bind_router", "connect_dealer", "drain", "has_input",
+           "inproc_pair", "is_loopback", "send_frames"]
 
 _counter = itertools.count()
 
@@ -181,6 +182,104 @@ def inproc_pair(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
     pull.linger = 0
     pull.bind(addr)
     return pull, addr
+
+
+class FdPoller:
+    """:class:`zmq.Poller`'s ``register`` / ``unregister`` / ``poll`` over one
+    poll(2) call, for ZeroMQ sockets and plain file descriptors together.
+
+    Why: ``zmq_poll`` with two ZeroMQ sockets among the fds costs 3 poll(2)
+    and 2 getpid(2) calls even when nothing is ready (a first pass with no
+    wait, then each socket's command mailbox); on the hot path, where
+    messages come on lanes (:mod:`~monarch_kernel.lane`) and the ZeroMQ
+    sockets are mostly idle, one poll(2) does.
+
+    A ZeroMQ socket is watched through its ``ZMQ_FD``, which signals that the
+    socket's state changed, not that a message waits (it is edge-triggered,
+    as libzmq's documentation of ``ZMQ_FD`` says): a socket counts as ready
+    when its fd fired, or when ``ZMQ_EVENTS``, asked before the wait, shows
+    input. That is asked for a socket just registered, for one reported
+    ready by the previous poll (whoever handles it may stop before it is
+    drained) and for one marked with :meth:`touched` (this thread sent on it
+    or asked its events: that may have consumed the fd's signal while a
+    message still waits). One poller is used by one thread at a time, the
+    thread that owns its ZeroMQ sockets.
+    """
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._socks: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
+        self._fd_of: dict[zmq.Socket, int] = {}
+        self._check: set[zmq.Socket] = set()  # sockets whose ZMQ_EVENTS are asked first
+
+    def register(self, obj: zmq.Socket | int, flags: int = zmq.POLLIN) -> None:
+        """Watch ``obj`` (a ZeroMQ socket or an fd) for input (``flags`` must be POLLIN)."""
+        if flags != zmq.POLLIN:
+            raise ValueError("FdPoller watches for input (zmq.POLLIN) only")
+        if isinstance(obj, zmq.Socket):
+            fd = obj.getsockopt(zmq.FD)
+            self._socks[fd] = obj
+            self._fd_of[obj] = fd
+            self._check.add(obj)
+        else:
+            fd = obj
+        self._poll.register(fd, select.POLLIN)
+
+    def unregister(self, obj: zmq.Socket | int) -> None:
+        """Stop watching ``obj``.
+
+        Raises
+        ------
+        KeyError
+            If ``obj`` is not registered.
+        """
+        if isinstance(obj, zmq.Socket):
+            fd = self._fd_of.pop(obj)
+            del self._socks[fd]
+            self._check.discard(obj)
+        else:
+            fd = obj
+        self._poll.unregister(fd)
+
+    def touched(self, sock: zmq.Socket) -> None:
+        """Say that this thread used ``sock`` (sent on it, asked its events)
+        other than by draining it: the next :meth:`poll` asks its events first."""
+        if sock in self._fd_of:
+            self._check.add(sock)
+
+    def poll(self, timeout_ms: int | None = None) -> list[tuple[Any, int]]:
+        """Wait up to ``timeout_ms`` milliseconds (None: no limit) for input.
+
+        Returns
+        -------
+        list of (socket or fd, int)
+            What is ready, with ``zmq.POLLIN`` for a socket and the poll(2)
+            events for an fd (as :meth:`zmq.Poller.poll`). A socket reported
+            here should be drained (:func:`drain`).
+
+        Raises
+        ------
+        zmq.ZMQError
+            If a registered socket was closed.
+        """
+        ready: dict[Any, int] = {}
+        if self._check:
+            for sock in self._check:
+                if _get(sock, _EVENTS) & _POLLIN:
+                    ready[sock] = _POLLIN
+            self._check.clear()
+        events = self._poll.poll(0 if ready else timeout_ms)
+        socks = self._socks
+        for fd, ev in events:
+            sock = socks.get(fd)
+            if sock is None:
+                ready[fd] = ev
+            else:  # its state changed: maybe input (the drain asks ZMQ_EVENTS)
+                ready[sock] = _POLLIN
+        for obj in ready:
+            if type(obj) is not int:
+                self._check.add(obj)  # (asked again before the next wait)
+        return list(ready.items())
 
 
 class Outbox:

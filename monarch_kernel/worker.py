@@ -52,7 +52,7 @@ from .dist_setup import init_rank
 from .errors import RemoteError, SerializationError, _ranks_label
 from .lane import Lane
 from .serialize import cuda_ipc
-from .transport import Outbox, connect_dealer, inproc_pair, send_frames
+from .transport import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -180,7 +180,7 @@ class Worker(WorkerIO):
         self._want = 0
         self._want_lock = threading.Lock()
         self._led_at = 0.0
-        self._poller: zmq.Poller | None = None
+        self._poller: zmq.Poller | FdPoller | None = None
         self._last_heard = self._last_sent = time.monotonic()
         self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
 

@@ -24,7 +24,7 @@ import zmq
 
 from . import protocol
 from .errors import ProtocolError
-from .transport import drain, send_frames
+from .transport import FdPoller, drain, send_frames
 
 log = logging.getLogger("monarch_kernel.worker")
 
@@ -45,10 +45,11 @@ class WorkerIO:
     """The I/O half of a worker (see the module docstring)."""
 
     def _io_loop(self) -> None:
-        self._poller = zmq.Poller()
-        if self.lane is not None:
+        if self.lane is not None:  # one poll(2) a step (transport.FdPoller)
+            self._poller = FdPoller()
             self._poller.register(self.lane.fileno(), zmq.POLLIN)
         else:
+            self._poller = zmq.Poller()
             self._poller.register(self.dealer, zmq.POLLIN)
         self._poller.register(self.pull, zmq.POLLIN)
         self._last_heard = self._last_sent = time.monotonic()
