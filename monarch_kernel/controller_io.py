@@ -119,7 +119,7 @@ class ControllerIO:
     """The I/O half of the controller (see the module docstring)."""
 
     def _io_loop(self) -> None:
-        self._poller = poller = FdPoller()  # (one poll(2) a step: see transport.FdPoller)
+        self._poller = poller = FdPoller()  # (one epoll_wait a step: transport.FdPoller)
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         self._last_beat = self._last_check = time.monotonic()
@@ -156,6 +156,7 @@ class ControllerIO:
                 for fd in list(self._pipes):
                     os.close(fd)
                 self._pipes.clear()
+                poller.close()
                 self.router.close(0)
                 self.pull.close(0)
 

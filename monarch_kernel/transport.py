@@ -186,13 +186,16 @@ def inproc_pair(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
 
 class FdPoller:
     """:class:`zmq.Poller`'s ``register`` / ``unregister`` / ``poll`` over one
-    poll(2) call, for ZeroMQ sockets and plain file descriptors together.
+    epoll_wait(2) call (poll(2) where there is no epoll), for ZeroMQ sockets
+    and plain file descriptors together.
 
     Why: ``zmq_poll`` with two ZeroMQ sockets among the fds costs 3 poll(2)
     and 2 getpid(2) calls even when nothing is ready (a first pass with no
-    wait, then each socket's command mailbox); on the hot path, where
-    messages come on lanes (:mod:`~monarch_kernel.lane`) and the ZeroMQ
-    sockets are mostly idle, one poll(2) does.
+    wait, then each socket's command mailbox), and poll(2) visits each of
+    the controller's fds (two pipes and a lane per local rank) on the way
+    into a wait and out of it. On the hot path, where messages come on lanes
+    (:mod:`~monarch_kernel.lane`) and the ZeroMQ sockets are mostly idle, one
+    epoll_wait does.
 
     A ZeroMQ socket is watched through its ``ZMQ_FD``, which signals that the
     socket's state changed, not that a message waits (it is edge-triggered,
@@ -207,7 +210,10 @@ class FdPoller:
     """
 
     def __init__(self) -> None:
-        self._poll = select.poll()
+        # epoll where there is one (Linux): a wait costs the same for 2 fds or 20,
+        # where poll(2) visits every fd on the way in and out
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._poll = self._epoll if self._epoll is not None else select.poll()
         self._socks: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
         self._fd_of: dict[zmq.Socket, int] = {}
         self._check: set[zmq.Socket] = set()  # sockets whose ZMQ_EVENTS are asked first
@@ -223,7 +229,10 @@ class FdPoller:
             self._check.add(obj)
         else:
             fd = obj
-        self._poll.register(fd, select.POLLIN)
+        try:
+            self._poll.register(fd, select.POLLIN)  # (EPOLLIN == POLLIN)
+        except FileExistsError:  # (epoll: registered already)
+            self._poll.modify(fd, select.POLLIN)
 
     def unregister(self, obj: zmq.Socket | int) -> None:
         """Stop watching ``obj``.
@@ -239,7 +248,15 @@ class FdPoller:
             self._check.discard(obj)
         else:
             fd = obj
-        self._poll.unregister(fd)
+        try:
+            self._poll.unregister(fd)
+        except OSError:  # (epoll: closed already, which unregistered it)
+            pass
+
+    def close(self) -> None:
+        """Release the epoll fd, if any (idempotent)."""
+        if self._epoll is not None:
+            self._epoll.close()
 
     def touched(self, sock: zmq.Socket) -> None:
         """Say that this thread used ``sock`` (sent on it, asked its events)
@@ -268,7 +285,11 @@ class FdPoller:
                 if _get(sock, _EVENTS) & _POLLIN:
                     ready[sock] = _POLLIN
             self._check.clear()
-        events = self._poll.poll(0 if ready else timeout_ms)
+        if self._epoll is not None:  # (seconds, -1: no limit)
+            wait = 0 if ready else -1 if timeout_ms is None else timeout_ms / 1000
+            events = self._epoll.poll(wait)
+        else:
+            events = self._poll.poll(0 if ready else timeout_ms)
         socks = self._socks
         for fd, ev in events:
             sock = socks.get(fd)

@@ -45,7 +45,7 @@ class WorkerIO:
     """The I/O half of a worker (see the module docstring)."""
 
     def _io_loop(self) -> None:
-        if self.lane is not None:  # one poll(2) a step (transport.FdPoller)
+        if self.lane is not None:  # one epoll_wait a step (transport.FdPoller)
             self._poller = FdPoller()
             self._poller.register(self.lane.fileno(), zmq.POLLIN)
         else:
@@ -68,6 +68,8 @@ class WorkerIO:
             _exit(1)
         finally:
             with self._lead:
+                if isinstance(self._poller, FdPoller):
+                    self._poller.close()
                 if self.dealer is not None:
                     self.dealer.close(0)
                 self.pull.close(0)
