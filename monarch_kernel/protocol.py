@@ -164,6 +164,12 @@ class Message:
             If the (signed) payload does not unpickle here.
         """
         if not self._decoded:
+            if (self.type == "reply" and not self._buffers
+                    and self._payload == serialize.OK_NONE_PAYLOAD):  # (most replies)
+                self._content = {"status": "ok", "value": serialize.OK_NONE["value"]}
+                self._decoded = True
+                self._payload = self._buffers = None
+                return self._content
             try:
                 buffers = [b.open() if isinstance(b, _ShmFrame) else b for b in self._buffers]
                 self._content = serialize.loads(self._payload, buffers)

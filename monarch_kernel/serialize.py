@@ -239,6 +239,8 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
         If ``obj`` (or something inside it) cannot be pickled; the message
         names the value's type.
     """
+    if obj is OK_NONE:  # the reply of most calls: pickled once
+        return OK_NONE_PAYLOAD, []
     if _plain(obj, 3):  # nothing cloudpickle must see: the C pickler alone is much faster
         return pickle.dumps(obj, protocol=PROTOCOL), []
     buffers: list[memoryview] = []
@@ -315,6 +317,10 @@ _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
 _PACKED_NONE = Packed(pickle.dumps(None, protocol=PROTOCOL))
 _NO_ARGS = pickle.dumps(((), {}), protocol=PROTOCOL)
 _NONE = _PACKED_NONE.payload
+#: the content of a reply whose value is None (most endpoints'), and its pickle:
+#: sent and read without pickling (a shared dict: nobody may change it)
+OK_NONE: dict[str, Any] = {"status": "ok", "value": _PACKED_NONE}
+OK_NONE_PAYLOAD = pickle.dumps(OK_NONE, protocol=PROTOCOL)
 
 
 def _plain(obj: Any, depth: int) -> bool:

@@ -245,3 +245,24 @@ def test_unpicklable_value_names_its_type():
 
     with pytest.raises(SerializationError, match="lock"):
         serialize.dumps(threading.Lock())
+
+
+def test_a_none_reply_is_pickled_once_and_read_without_pickle():
+    """The reply of most endpoints (ok, None) has a constant pickle: sent as is,
+    byte for byte what the general path makes, and read back as a fresh dict."""
+    general, _ = serialize.dumps({"status": "ok", "value": serialize.Packed.pack(None)})
+    assert general == serialize.OK_NONE_PAYLOAD
+    assert serialize.dumps(serialize.OK_NONE) == (serialize.OK_NONE_PAYLOAD, [])
+    sender, receiver = protocol.Codec(b"k" * 32, "r0"), protocol.Codec(b"k" * 32, "ctl")
+    for content in (serialize.OK_NONE, {"status": "ok", "value": serialize.Packed.pack(None)}):
+        msg = receiver.decode(sender.encode("reply", content, "ctl.1"), lazy=True)
+        c = msg.content
+        assert c["status"] == "ok" and c["value"].unpack() is None
+        c["status"] = "changed"  # a fresh dict each time: the constant is untouched
+        assert serialize.OK_NONE["status"] == "ok"
+    # other replies and other types take the general path
+    msg = receiver.decode(sender.encode("reply", {"status": "ok", "value":
+                                                  serialize.Packed.pack(7)}, "ctl.2"))
+    assert msg.content["value"].unpack() == 7
+    msg = receiver.decode(sender.encode("event", serialize.OK_NONE))
+    assert msg.content["status"] == "ok"
