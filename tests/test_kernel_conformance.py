@@ -143,6 +143,32 @@ class MonarchKernelTests(jupyter_kernel_test.KernelTests):
         text = "".join(m["content"]["text"] for m in out if m["msg_type"] == "stream")
         self.assertIn("got forty-two", text)
 
+    def test_each_cell_is_transformed_once(self) -> None:
+        """MonarchShell: ipykernel's and IPython's transformations of one cell are
+        one (a counting input transformer sees each cell once), and what depends
+        on the namespace (autocall of a one-line cell) still sees the cell's state."""
+        setup = ("_seen = []\n"
+                 "def _count(lines):\n"
+                 "    _seen.append(''.join(lines))\n"
+                 "    return lines\n"
+                 "get_ipython().input_transformers_post.append(_count)\n"
+                 "%autocall 2")
+        reply, _ = self._run(setup)
+        self.assertEqual(reply["content"]["status"], "ok")
+        for code in ("x = 41", "%%capture\nx += 1", "print x"):
+            reply, _ = self._run(code)
+            self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        reply, outputs = self._run("get_ipython().input_transformers_post.remove(_count)\n"
+                                   "%autocall 0\n"
+                                   "len(_seen), x")
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        # once each: the 3 cells, the body that %%capture runs as a cell of its own,
+        # and this last cell (not the setup cell: _count came while it ran); twice
+        # each, as ipykernel and IPython alone do, would be 10
+        results = [m["content"]["data"]["text/plain"] for m in outputs
+                   if m["msg_type"] == "execute_result"]
+        self.assertEqual(results, ["(5, 42)"])
+
     def test_monarch_kernel_info(self) -> None:
         self.flush_channels()
         msg_id = self.kc.kernel_info()
