@@ -13,7 +13,7 @@ one (not at once: back-to-back calls then need no wake-up of this thread),
 never letting 50 ms pass without a step.
 
 A caller that leads looks for its reply on the ROUTER and the lanes for up to ``spin_s``
-(100 us by default, ``MONARCH_SPIN_US``) before it sleeps in poll(2): a reply
+(100 us by default, ``MONARCH_SPIN_US``) before it sleeps in epoll_wait: a reply
 that comes within that time is read without the thread going to sleep and
 being woken (about 60 us of a no-op call's round trip on a 2-core VM). This is
 the bounded "spin, then block" of MPI progress engines and of Linux's
@@ -119,11 +119,13 @@ class ControllerIO:
     """The I/O half of the controller (see the module docstring)."""
 
     def _io_loop(self) -> None:
-        self._poller = poller = FdPoller()  # (one epoll_wait a step: transport.FdPoller)
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.pull, zmq.POLLIN)
         self._last_beat = self._last_check = time.monotonic()
+        poller = None
         try:
+            poller = FdPoller()  # (one epoll_wait a step: transport.FdPoller)
+            poller.register(self.router, zmq.POLLIN)
+            poller.register(self.pull, zmq.POLLIN)
+            self._poller = poller
             while not self._closed.is_set():
                 if self.batches:  # calls held for a batch leave within HOLD_S
                     try:
@@ -156,7 +158,8 @@ class ControllerIO:
                 for fd in list(self._pipes):
                     os.close(fd)
                 self._pipes.clear()
-                poller.close()
+                if poller is not None:
+                    poller.close()
                 self.router.close(0)
                 self.pull.close(0)
 

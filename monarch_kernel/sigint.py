@@ -34,17 +34,24 @@ class DeferredSigint:
         self._hit: tuple[int, Any] | None = None
         self.prev: Any = None
         self._outer: DeferredSigint | None = None
+        self._before: tuple[int, Any] | None = None  # the outer's hit when this began
 
     @property
     def hit(self) -> tuple[int, Any] | None:
-        """(signum, frame) of a SIGINT noted during the block, else None."""
-        return self._outer._hit if self._outer is not None else self._hit
+        """(signum, frame) of a SIGINT noted during this block, else None (in a
+        nested block, one the outermost noted before it began does not count)."""
+        outer = self._outer
+        if outer is None:
+            return self._hit
+        h = outer._hit
+        return None if h is self._before else h
 
     def __enter__(self) -> DeferredSigint:
         global _active
         if _thread.get_ident() == _main_ident:
             if _active is not None:  # nested: the outermost block notes it
                 self._outer = _active
+                self._before = _active._hit
                 return self
             # the C functions: signal.signal's enum wrapping costs ~6 us a call here
             prev = _signal.getsignal(_SIGINT)

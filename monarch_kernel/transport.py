@@ -235,12 +235,14 @@ class FdPoller:
             self._poll.modify(fd, select.POLLIN)
 
     def unregister(self, obj: zmq.Socket | int) -> None:
-        """Stop watching ``obj``.
+        """Stop watching ``obj`` (an fd closed already, or not registered, is
+        ignored under epoll).
 
         Raises
         ------
         KeyError
-            If ``obj`` is not registered.
+            If ``obj`` is a socket that is not registered (or, under poll(2),
+            an fd that is not).
         """
         if isinstance(obj, zmq.Socket):
             fd = self._fd_of.pop(obj)
@@ -280,11 +282,16 @@ class FdPoller:
             If a registered socket was closed.
         """
         ready: dict[Any, int] = {}
-        if self._check:
-            for sock in self._check:
+        check = self._check
+        if check:
+            for sock in list(check):
                 if _get(sock, _EVENTS) & _POLLIN:
+                    # (it stays in `check`, asked again before the next wait, even
+                    # if an exception, a KeyboardInterrupt, cuts this call short:
+                    # asking took its fd's signal)
                     ready[sock] = _POLLIN
-            self._check.clear()
+                else:  # no input: its fd signals the next
+                    check.discard(sock)
         if self._epoll is not None:  # (seconds, -1: no limit)
             wait = 0 if ready else -1 if timeout_ms is None else timeout_ms / 1000
             events = self._epoll.poll(wait)
@@ -296,10 +303,8 @@ class FdPoller:
             if sock is None:
                 ready[fd] = ev
             else:  # its state changed: maybe input (the drain asks ZMQ_EVENTS)
+                check.add(sock)  # (asked again before the next wait)
                 ready[sock] = _POLLIN
-        for obj in ready:
-            if type(obj) is not int:
-                self._check.add(obj)  # (asked again before the next wait)
         return list(ready.items())
 
 

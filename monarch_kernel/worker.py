@@ -61,7 +61,7 @@ log = logging.getLogger("monarch_kernel.worker")
 _CO_COROUTINE = 0x0080
 
 #: this process's pid, kept current across os.fork (getpid(2) is a system call, and
-#: leave_if_forked asks at each step of the hot path)
+#: the I/O asks at each step: leave_if_forked(strict=False))
 _pid = os.getpid()
 
 
@@ -247,13 +247,17 @@ class Worker(WorkerIO):
                 break
         return self.exit_code
 
-    def leave_if_forked(self) -> None:
+    def leave_if_forked(self, strict: bool = True) -> None:
         """Exit at once if this is a child that user code forked (``os.fork()``
         in a cell or an endpoint) and that came back into the worker's code
         instead of ending with ``os._exit``: it must not answer for the
         worker, nor keep serving (its parent does), nor remove the parent's
-        shared-memory files. Says so on stderr, which the notebook shows."""
-        if _pid == self.pid:  # (kept by os.register_at_fork: no system call)
+        shared-memory files. Says so on stderr, which the notebook shows.
+
+        ``strict`` asks getpid(2), which also catches a fork made in C without
+        Python's at-fork hooks; otherwise the pid those hooks keep is compared
+        (no system call: each I/O step asks, where user code never ran)."""
+        if (os.getpid() if strict else _pid) == self.pid:
             return
         try:
             os.write(2, (f"[monarch] rank {self.rank}: process {os.getpid()}, forked by user "

@@ -45,15 +45,16 @@ class WorkerIO:
     """The I/O half of a worker (see the module docstring)."""
 
     def _io_loop(self) -> None:
-        if self.lane is not None:  # one epoll_wait a step (transport.FdPoller)
-            self._poller = FdPoller()
-            self._poller.register(self.lane.fileno(), zmq.POLLIN)
-        else:
-            self._poller = zmq.Poller()
-            self._poller.register(self.dealer, zmq.POLLIN)
-        self._poller.register(self.pull, zmq.POLLIN)
         self._last_heard = self._last_sent = time.monotonic()
         try:
+            if self.lane is not None:  # one epoll_wait a step (transport.FdPoller)
+                poller: Any = FdPoller()
+                poller.register(self.lane.fileno(), zmq.POLLIN)
+            else:
+                poller = zmq.Poller()
+                poller.register(self.dealer, zmq.POLLIN)
+            poller.register(self.pull, zmq.POLLIN)
+            self._poller = poller
             while not self.stopping.is_set():
                 if self._want or time.monotonic() - self._led_at < 0.01:
                     time.sleep(0.02)  # an actor leads, or led just now
@@ -124,7 +125,7 @@ class WorkerIO:
 
     def _io_step(self, timeout_ms: int) -> None:
         """One turn of the I/O (by whichever thread leads)."""
-        self.leave_if_forked()  # (a forked child never does the worker's I/O)
+        self.leave_if_forked(strict=False)  # (a forked child never does the worker's I/O)
         events = dict(self._poller.poll(timeout_ms))
         if self.pull in events:
             for frames in drain(self.pull):

@@ -87,6 +87,56 @@ def test_input_taken_by_an_events_check_is_not_missed(push_pull):
         poller.close()
 
 
+class _RaisesOnce:
+    """A poll object whose next poll() raises KeyboardInterrupt (a Ctrl-C that
+    lands inside FdPoller.poll, after it asked a socket's events)."""
+
+    def __init__(self, inner):
+        self.inner, self.armed = inner, True
+
+    def poll(self, *args):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.inner.poll(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_interrupted_poll_does_not_lose_a_socket(push_pull):
+    """Asking ZMQ_EVENTS took the fd's signal; a KeyboardInterrupt before the poll
+    returned must leave the socket to be asked again, not forgotten."""
+    push, pull = push_pull
+    poller = FdPoller()
+    try:
+        poller.register(pull, zmq.POLLIN)
+        push.send(b"one")
+        deadline = time.monotonic() + 5
+        while not has_input(pull):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        poller.touched(pull)
+        raising = _RaisesOnce(poller._poll)
+        poller._poll = raising
+        if poller._epoll is not None:
+            poller._epoll = raising
+        with pytest.raises(KeyboardInterrupt):
+            poller.poll(1000)
+        ready, took = _wait(poller, 2)
+        assert pull in ready and took < 1
+        assert [f[0] for f in drain(pull, small=1)] == [b"one"]
+        push.send(b"two")  # and the fd signals the next message
+        ready, took = _wait(poller, 5)
+        assert pull in ready and took < 4
+        assert [f[0] for f in drain(pull, small=1)] == [b"two"]
+    finally:
+        poller._poll = getattr(poller._poll, "inner", poller._poll)
+        if poller._epoll is not None:
+            poller._epoll = poller._poll
+        poller.close()
+
+
 def test_sends_on_a_polled_router_do_not_hide_replies(ctx):
     """The owner sends on a ROUTER it polls (a send may take the signal of an
     input); replies that came meanwhile are all read, none waits for a timeout."""

@@ -37,6 +37,18 @@ def test_nested_blocks_hold_it_until_the_outermost_ends():
         assert fresh.hit is None
 
 
+def test_a_nested_block_sees_only_what_came_during_it():
+    seen = []
+    with pytest.raises(KeyboardInterrupt), DeferredSigint() as outer:
+        _sigint()
+        with DeferredSigint() as inner:
+            seen.append(inner.hit)  # the outer block's, from before: not this one's
+            _sigint()
+            seen.append(inner.hit is not None)
+        seen.append(outer.hit is not None)
+    assert seen == [None, True, True]
+
+
 def test_an_exception_in_the_block_wins_and_the_handler_comes_back():
     with pytest.raises(ValueError), DeferredSigint():
         _sigint()
