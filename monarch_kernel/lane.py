@@ -54,31 +54,21 @@ from .sigint import DeferredSigint
 __all__ = ["Lane", "lanes_enabled", "pair", "prepare"]
 
 _COUNT = struct.Struct("<I")
-#: the header struct of a message of n frames (``<u32 n><u64 len>*n``), by n
-_HEADS: dict[int, struct.Struct] = {}
-#: the lengths struct of n frames (``<u64 len>*n``), by n
-_LENS: dict[int, struct.Struct] = {}
-
-
+#: structs of frame lengths, by (prefix, number of frames): "<I" for a message's
+#: whole header (``<u32 n><u64 len>*n``), "<" for its lengths alone
+_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 _CACHED = 64  # frame counts whose structs are kept
 
 
-def _head(n: int) -> struct.Struct:
-    s = _HEADS.get(n)
+def _lengths_struct(prefix: str, n: int) -> struct.Struct:
+    s = _STRUCTS.get((prefix, n))
     if s is None:
-        s = struct.Struct(f"<I{n}Q")
+        s = struct.Struct(f"{prefix}{n}Q")
         if n <= _CACHED:
-            _HEADS[n] = s
+            _STRUCTS[prefix, n] = s
     return s
 
 
-def _lens(n: int) -> struct.Struct:
-    s = _LENS.get(n)
-    if s is None:
-        s = struct.Struct(f"<{n}Q")
-        if n <= _CACHED:
-            _LENS[n] = s
-    return s
 #: bytes read from the socket at a time (one read takes every small message waiting)
 CHUNK = 1 << 18
 #: what a socket is asked to buffer each way (bytes; the kernel may cap it)
@@ -329,7 +319,7 @@ class Lane:
             if at > end:
                 self._need = at - pos
                 break
-            lens = _lens(n).unpack_from(buf, pos + 4)
+            lens = _lengths_struct("<", n).unpack_from(buf, pos + 4)
             if at + sum(lens) > end:
                 self._need = at + sum(lens) - pos
                 break
@@ -401,7 +391,7 @@ def prepare(frames: list[Any]) -> tuple[list[Any], int]:
     """
     views = [f if type(f) is bytes else _bytes_view(f) for f in frames]
     lens = [len(v) if type(v) is bytes else v.nbytes for v in views]
-    head = _head(len(views)).pack(len(views), *lens)
+    head = _lengths_struct("<I", len(views)).pack(len(views), *lens)
     return [head, *views], len(head) + sum(lens)
 
 
