@@ -54,6 +54,16 @@ log = logging.getLogger("monarch_kernel.controller")
 
 __all__ = ["Controller", "RankInfo", "Request"]
 
+#: seconds after a local rank died at which the controller sweeps this host's
+#: pooled shared-memory files that nobody holds (shm.sweep_stale): a worker
+#: killed outright leaves the files of its peer and buffer pools, which the
+#: controller never saw; the second sweep takes those that were younger than
+#: SWEEP_MIN_AGE_S at the first
+SWEEP_AFTER_DEATH_S = (0.0, 11.0)
+#: files younger than this (seconds) are left by a sweep (one being made may not
+#: be locked yet)
+SWEEP_MIN_AGE_S = 10.0
+
 
 class Controller(ControllerIO, BatchingIO, RankOutput):
     """Owns the ROUTER socket of one mesh and routes its messages.
@@ -108,7 +118,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         self.codec.pool = shm.Pool()
-        swept = shm.sweep_stale()  # files of a controller killed outright on this host
+        self._sweeps_due: list[float] = []  # monotonic times of sweeps after deaths
+        swept = shm.sweep_stale(SWEEP_MIN_AGE_S)  # files of processes killed outright
         if swept:
             log.info("removed %d shared-memory files left by killed processes", len(swept))
         self.heartbeat = heartbeat
@@ -377,6 +388,9 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             info.state = state
             info.exitcode = exitcode
             files, info.shm_files = info.shm_files, set()
+            if state == "dead" and rank in self.local_ranks:  # its unseen files: swept
+                now = time.monotonic()
+                self._sweeps_due.extend(now + d for d in SWEEP_AFTER_DEATH_S)
             failure = self.rank_failure(rank)
             waiting = [q for q in self.pending.values()
                        if rank in q.ranks and rank not in q.replies]
@@ -392,6 +406,22 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             with self._lock:
                 self._retire_if_settled(req)
         self._notify_listeners("dead", rank, failure)
+
+    def _sweep_if_due(self, now: float) -> None:
+        """Sweep nobody's pooled files, once a sweep after a rank's death is due
+        (the thread that leads; see SWEEP_AFTER_DEATH_S)."""
+        with self._lock:
+            due = [t for t in self._sweeps_due if t <= now]
+            if not due:
+                return
+            self._sweeps_due = [t for t in self._sweeps_due if t > now]
+        try:
+            swept = shm.sweep_stale(SWEEP_MIN_AGE_S)
+        except Exception:  # best effort: the next controller sweeps too
+            log.exception("sweeping shared-memory files failed")
+            return
+        if swept:
+            log.info("removed %d shared-memory files of dead ranks", len(swept))
 
     def _retire_if_settled(self, req: Request) -> None:
         """Forget a failed request once every rank replied or is gone (lock held)."""

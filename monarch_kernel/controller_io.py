@@ -436,6 +436,8 @@ class ControllerIO:
     def _check_ranks(self, now: float) -> None:
         if self.stopping:
             return
+        if self._sweeps_due:
+            self._sweep_if_due(now)
         with self._lock:  # failed requests stay routable for 5 s at most
             for req in [q for q in self.pending.values()
                         if q.failed_at is not None and now - q.failed_at > 5.0]:

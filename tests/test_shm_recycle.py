@@ -161,6 +161,49 @@ def test_a_killed_workers_pooled_files_are_removed():
         procs.stop()
 
 
+def test_a_killed_workers_unseen_pool_files_are_swept_soon(monkeypatch):
+    """Files of a worker's own pools that the controller never saw (its peer and
+    buffer pools) are swept after the worker is killed outright, not only when a
+    later controller starts; a live worker's files stay."""
+    import os
+    import signal
+    import sys
+    import time
+
+    import cloudpickle
+
+    from monarch_kernel import Actor, controller, endpoint, spawn_procs
+    from monarch_kernel.testing import wait_for
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Holder(Actor):
+        @endpoint
+        def hold(self) -> str:
+            from monarch_kernel import shm as worker_shm
+
+            self.pool = worker_shm.Pool()  # (as a peer or buffer pool: locked, kept)
+            name, self.mm = self.pool.lease(1 << 20)
+            return name
+
+    # sweep at once and 1 s after a death, taking files older than 0.5 s
+    monkeypatch.setattr(controller, "SWEEP_AFTER_DEATH_S", (0.0, 1.0))
+    monkeypatch.setattr(controller, "SWEEP_MIN_AGE_S", 0.5)
+    procs = spawn_procs(2)
+    try:
+        h = procs.spawn("holder", Holder)
+        names = h.hold.call().get(timeout=30)
+        doomed, kept = names.values()
+        path = os.path.join(shm.DIRECTORY, doomed)
+        assert os.path.exists(path)
+        os.kill(procs.controller.ranks[0].pid, signal.SIGKILL)
+        wait_for(lambda: not os.path.exists(path), 15, what="the killed worker's pool file swept")
+        time.sleep(1.5)  # (both sweeps are past)
+        assert os.path.exists(os.path.join(shm.DIRECTORY, kept))  # alive: kept
+    finally:
+        procs.stop()
+
+
 def test_pooled_files_of_a_killed_process_are_swept_and_live_ones_kept(tmp_path,
                                                                         monkeypatch):
     """A process killed outright leaves its pooled files (no atexit ran); the
