@@ -56,6 +56,19 @@ class Bench(Actor):
         return best
 
     @endpoint
+    def ping(self, other: Any, calls: int) -> float:
+        """p50 (us) of ``calls`` no-op calls to ``other``, worker to worker, after 100."""
+        import statistics
+
+        lat = []
+        for i in range(100 + calls):
+            t0 = time.perf_counter()
+            other.noop.call_one().get()
+            if i >= 100:
+                lat.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(lat)
+
+    @endpoint
     def send_to(self, other: Any, nbytes: int) -> float:
         import torch
 
@@ -94,6 +107,9 @@ def measure(n: int, calls: int = 2000, big: bool = True, telemetry: float = 1.0
                 f.get()
             best = max(best, 1000 / (time.perf_counter() - t1))
         out["calls_per_s"] = best
+        if n >= 2:  # an actor's call to another worker's actor (never through us)
+            out["peer_call_p50_us"] = one.ping.call_one(actors.slice(procs=1),
+                                                        calls).get(timeout=300)
         rss = [psutil.Process(procs.controller.ranks[r].pid).memory_info().rss
                for r in procs.ranks]
         out["worker_rss_mb"] = sum(rss) / len(rss) / MiB

@@ -344,7 +344,7 @@ def _answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, stat
                 "type": "monarch_kernel.errors.SerializationError", "traceback": "",
                 "message": f"rank {w.rank}: the result of {c.get('m')!r} cannot be sent "
                            f"back: {e}", "exc": None}}, parent=mid)
-        host.reply(route, frames)  # (this thread sends: no hand-off to the peer thread)
+        host.outbox.send([b"r", *route, *frames])
 
 
 def _missing(w: Any, name: str) -> MeshFailure:

