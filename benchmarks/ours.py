@@ -57,7 +57,9 @@ class Bench(Actor):
 
     @endpoint
     def ping(self, other: Any, calls: int) -> float:
-        """p50 (us) of ``calls`` no-op calls to ``other``, worker to worker, after 100."""
+        """p50 (us) of ``calls`` no-op calls to ``other``, worker to worker, after 100
+        (timed here, not with .stats: this class travels by value, and a worker
+        need not be able to import ``benchmarks``)."""
         import statistics
 
         lat = []

@@ -41,7 +41,7 @@ from . import actor_cycles, actor_peers, gpu, telemetry
 from .actor_peers import peer_host, stats  # noqa: F401 - stats: re-exported
 from .errors import MeshFailure, SerializationError
 from .mesh import Point, Shape
-from .serialize import OK_NONE, Packed, cuda_ipc
+from .serialize import Packed, cuda_ipc, reply_content
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -337,8 +337,7 @@ def _answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, stat
     else:
         host = peer_host(w)
         try:
-            frames = host.codec.encode("reply", OK_NONE if status == "ok" and value is OK_NONE[
-                "value"] else {"status": status, "value": value}, parent=mid)
+            frames = host.codec.encode("reply", reply_content(status, value), parent=mid)
         except SerializationError as e:  # (too large, say): the caller gets why, not a hang
             frames = host.codec.encode("reply", {"status": "error", "value": {
                 "type": "monarch_kernel.errors.SerializationError", "traceback": "",

@@ -411,10 +411,10 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         """Sweep nobody's pooled files, once a sweep after a rank's death is due
         (the thread that leads; see SWEEP_AFTER_DEATH_S)."""
         with self._lock:
-            due = [t for t in self._sweeps_due if t <= now]
-            if not due:
+            later = [t for t in self._sweeps_due if t > now]
+            if len(later) == len(self._sweeps_due):  # none is due
                 return
-            self._sweeps_due = [t for t in self._sweeps_due if t > now]
+            self._sweeps_due = later
         try:
             swept = shm.sweep_stale(SWEEP_MIN_AGE_S)
         except Exception:  # best effort: the next controller sweeps too

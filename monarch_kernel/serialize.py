@@ -323,6 +323,14 @@ OK_NONE: dict[str, Any] = {"status": "ok", "value": _PACKED_NONE}
 OK_NONE_PAYLOAD = pickle.dumps(OK_NONE, protocol=PROTOCOL)
 
 
+def reply_content(status: str, value: Any) -> dict[str, Any]:
+    """The content of a reply message: :data:`OK_NONE` for an ok ``None``
+    (``Packed.pack(None)``), which :func:`dumps` sends without pickling."""
+    if status == "ok" and value is _PACKED_NONE:
+        return OK_NONE
+    return {"status": status, "value": value}
+
+
 def _plain(obj: Any, depth: int) -> bool:
     """True when ``obj`` is built only of atoms, small containers and
     :class:`Packed` values without out-of-band buffers (the control

@@ -51,7 +51,7 @@ from .capture import FdCapture
 from .dist_setup import init_rank
 from .errors import RemoteError, SerializationError, _ranks_label
 from .lane import Lane
-from .serialize import OK_NONE, cuda_ipc
+from .serialize import cuda_ipc, reply_content
 from .transport import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
 
@@ -306,8 +306,7 @@ class Worker(WorkerIO):
         if self.current_parent == parent:
             self.current_parent = None
         try:
-            self.send("reply", OK_NONE if status == "ok" and value is OK_NONE["value"]
-                      else {"status": status, "value": value}, parent)
+            self.send("reply", reply_content(status, value), parent)
         except SerializationError as e:
             if status == "ok":
                 failure = self.describe_failure(e, with_traceback=False)
