@@ -318,7 +318,7 @@ def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
                                          "n": next(_seq), "r": entries})
     for _rank, addr in w.targets:
         if addr not in host.dead:
-            host.outbox.send([b"d", addr.encode(), *frames])
+            host.send_to(addr, frames)
 
 
 def call_guard(uid: str, name: str, ranks: list[int], req: Any,

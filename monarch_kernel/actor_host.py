@@ -343,7 +343,7 @@ def _answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, stat
                 "type": "monarch_kernel.errors.SerializationError", "traceback": "",
                 "message": f"rank {w.rank}: the result of {c.get('m')!r} cannot be sent "
                            f"back: {e}", "exc": None}}, parent=mid)
-        host.outbox.send([b"r", *route, *frames])
+        host.reply_to(route, frames)
 
 
 def _missing(w: Any, name: str) -> MeshFailure:

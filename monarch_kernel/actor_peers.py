@@ -7,24 +7,45 @@ with the mesh key like every other message
 (:meth:`~monarch_kernel.protocol.Codec.fork`). Other threads hand it frames
 through an :class:`~monarch_kernel.transport.Outbox`. Calls it receives go to
 the actors' queues (:mod:`monarch_kernel.actor_host`).
+
+**Same-host peers talk over peer lanes.** A worker also listens on a Unix
+socket in Linux's abstract namespace (``@monarch-peer-<pid>-<random>``, gone
+with the process; connections from other users are refused, checked with
+``SO_PEERCRED``), named in its peer address after a ``;``. A caller that
+can connect to it (same host and network namespace) sends its calls there
+on a :class:`~monarch_kernel.lane.Lane`, from its own thread, and the
+callee's actor thread writes the reply on the same lane: no ZeroMQ I/O
+thread and no hand-off through the outbox on either side (the reason lanes
+exist, :mod:`monarch_kernel.lane`). This worker's peer I/O thread reads
+the lanes. Messages are signed as on ZeroMQ. A caller that cannot connect
+(another host) uses ZeroMQ to that address from then on.
+``MONARCH_LANES=0`` turns peer lanes off too.
+
+A peer address reads ``tcp://HOST:PORT[|CURVE_KEY][;LANE_NAME]`` (``;`` is
+in neither an endpoint nor the Z85 alphabet of a key).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import secrets
 import socket
+import struct
+import sys
 import threading
 from typing import Any
 
 import zmq
 
 from . import actor_cycles
+from . import lane as _lane
 from . import shm as _shm
 from .controller import Request
-from .errors import MeshFailure, ProtocolError
+from .errors import MeshFailure, ProtocolError, TransportError
 from .transport import (
+    FdPoller,
     Outbox,
     bind_router,
     connect_dealer,
@@ -53,9 +74,15 @@ def peer_host(worker: Any) -> PeerHost:
 
 
 def stats() -> dict[str, int]:
-    """Counts of peer-to-peer messages of this worker (``in``, ``out``)."""
+    """Counts of this worker's peer-to-peer messages (``in``, ``out``) and of
+    its open peer lanes (``lanes_out``: to peers it calls, ``lanes_in``: from
+    peers that call it)."""
     h = _host
-    return {"in": h.messages_in, "out": h.messages_out} if h else {"in": 0, "out": 0}
+    if h is None:
+        return {"in": 0, "out": 0, "lanes_out": 0, "lanes_in": 0}
+    return {"in": h.messages_in, "out": h.messages_out,
+            "lanes_out": sum(1 for v in list(h._lane_to.values()) if v is not None),
+            "lanes_in": len(h._accepted)}
 
 
 def _bind_host(controller_address: str) -> str:
@@ -78,7 +105,9 @@ class PeerHost:
     address : str
         ``tcp://host:port`` of the peer ROUTER; on an encrypted mesh (the
         worker's controller connection uses CurveZMQ) followed by ``|`` and
-        the socket's CurveZMQ public key (Z85), which callers connect with.
+        the socket's CurveZMQ public key (Z85), which callers connect with;
+        then, where peer lanes are on, ``;`` and the name of this worker's
+        lane listener.
     stopped : dict of str to str
         Names of actors stopped here, with the cause.
     dead : dict of str to MeshFailure
@@ -97,8 +126,10 @@ class PeerHost:
         if getattr(worker, "curve_server_key", None) is not None:  # an encrypted mesh
             public, secret = zmq.curve_keypair()
         self.router, address = bind_router(self.ctx, _bind_host(worker.address), secret)
+        self.listener = _listen() if _peer_lanes_enabled() else None
         # callers need the public key to connect: it travels with the address
-        self.address = address + ("|" + public.decode() if public else "")
+        self.address = (address + ("|" + public.decode() if public else "")
+                        + (";" + self.listener[1] if self.listener else ""))
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.pending: dict[str, Request] = {}
@@ -107,6 +138,13 @@ class PeerHost:
         self.messages_in = 0
         self.messages_out = 0
         self._lock = threading.Lock()
+        # peer lanes: this worker's connections to peers' listeners (address -> lane,
+        # None where none can be made), those that peers made to it (identity -> lane),
+        # and connections made by callers' threads that the I/O thread has yet to watch
+        self._lane_to: dict[str, _lane.Lane | None] = {}
+        self._accepted: dict[bytes, _lane.Lane] = {}
+        self._new_lanes: list[_lane.Lane] = []
+        self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
         self._thread.start()
@@ -142,8 +180,70 @@ class PeerHost:
             with self._lock:
                 self.pending[mid] = req
         for r in ranks:
-            self.outbox.send([b"d", peers[r].encode(), *frames])
+            self.send_to(peers[r], frames)
         return req
+
+    def send_to(self, address: str, frames: list[Any]) -> None:
+        """Send signed ``frames`` to the peer at ``address`` (any thread): on its
+        peer lane where one can be had, else through the I/O thread's DEALER.
+        A message to a peer that is gone is dropped (its callers learn of the
+        death from the controller, :meth:`fail_rank`)."""
+        lane = self._lane_to.get(address, False)
+        if lane is False:
+            lane = self._connect(address)
+        if lane is None:
+            self.outbox.send([b"d", address.encode(), *frames])
+            return
+        try:
+            lane.send(frames)
+            self.messages_out += 1
+        except TransportError as e:
+            log.info("rank %d dropped a message to a peer that is gone: %s", self.rank, e)
+
+    def reply_to(self, route: list[bytes], frames: list[Any]) -> None:
+        """Send signed ``frames`` back where the message that came by ``route``
+        came from (any thread): its peer lane, or the ROUTER's identity."""
+        if len(route) == 1 and route[0].startswith(_LANE_IDENT):
+            lane = self._accepted.get(route[0])
+            if lane is not None:
+                try:
+                    lane.send(frames)
+                    self.messages_out += 1
+                except TransportError:  # the caller is gone: nobody waits for this
+                    pass
+            return
+        self.outbox.send([b"r", *route, *frames])
+
+    def _connect(self, address: str) -> _lane.Lane | None:
+        """The peer lane to ``address``, made now if it can be; None (kept)
+        where it cannot (another host, or lanes off)."""
+        name = address.partition(";")[2]
+        with self._lanes_lock:
+            lane = self._lane_to.get(address, False)
+            if lane is not False:
+                return lane
+            lane = None
+            if name and self.listener is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(5.0)
+                    sock.connect("\0" + name)
+                    _buffers(sock)
+                    lane = _lane.Lane(sock, f"peer lane to {address}", limit=self._limit())
+                except OSError as e:  # not on this host (or network namespace)
+                    log.debug("no peer lane to %s (%s): ZeroMQ it is", address, e)
+                    sock.close()
+            self._lane_to[address] = lane
+            if lane is not None:
+                self._new_lanes.append(lane)
+        if lane is not None:
+            self.outbox.send([b"n"])  # the I/O thread watches it from now on
+        return lane
+
+    def _limit(self) -> int:
+        """The largest message a peer lane takes (bytes): what the codec takes,
+        and room for the framing of a message of many buffers."""
+        return self.codec.max_header + self.codec.max_buffers + (1 << 20)
 
     def fail_rank(self, rank: int, address: str | None, reason: str) -> None:
         """Rank ``rank`` (peer ``address``) is gone: fail every call waiting on it,
@@ -159,50 +259,122 @@ class PeerHost:
             q._fail(failure)
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.pull, zmq.POLLIN)
+        poller = FdPoller()
+        poller.register(self.router)
+        poller.register(self.pull)
+        listen_fd = -1
+        if self.listener is not None:
+            listen_fd = self.listener[0].fileno()
+            poller.register(listen_fd)
         dealers: dict[str, zmq.Socket] = {}
         socks: set[zmq.Socket] = set()
+        lanes: dict[int, _lane.Lane] = {}  # fd -> lane (both ways)
         try:
             while True:
-                events = dict(poller.poll(1000))
-                if self.pull in events:
-                    for frames in drain(self.pull):
-                        self._forward(frames, dealers, socks, poller)
-                if self.router in events:
-                    for frames in drain(self.router, small=2):  # [identity, envelope, ...]
-                        self._incoming(frames)
-                for s in socks:
-                    if s in events:
-                        for frames in drain(s, small=1):  # [envelope, buffers...]
+                for obj, _ev in poller.poll(1000):
+                    if obj is self.pull:
+                        for frames in drain(self.pull):
+                            self._forward(frames, dealers, socks, poller, lanes)
+                    elif obj is self.router:
+                        for frames in drain(self.router, small=2):  # [identity, envelope, ...]
+                            self._incoming(frames)
+                    elif obj in socks:
+                        for frames in drain(obj, small=1):  # [envelope, buffers...]
                             self._reply(frames)
+                    elif obj == listen_fd:
+                        self._accept(poller, lanes)
+                    else:
+                        lane = lanes.get(obj)
+                        if lane is not None:
+                            self._read_lane(lane, poller, lanes)
         except Exception:
             log.exception("the peer I/O thread of rank %d failed", self.rank)
 
     def _forward(self, frames: list[Any], dealers: dict[str, zmq.Socket],
-                 socks: set[zmq.Socket], poller: zmq.Poller) -> None:
+                 socks: set[zmq.Socket], poller: FdPoller,
+                 lanes: dict[int, _lane.Lane]) -> None:
         kind = frames[0].bytes
         try:
+            if kind == b"n":  # new peer lanes made by callers: watch them
+                with self._lanes_lock:
+                    new, self._new_lanes = self._new_lanes, []
+                for lane in new:
+                    lanes[lane.fileno()] = lane
+                    poller.register(lane.fileno())
+                return
             if kind == b"r":
                 send_frames(self.router, frames[1:], zmq.NOBLOCK)
+                poller.touched(self.router)
             else:
                 addr = frames[1].bytes.decode()
                 s = dealers.get(addr)
                 if s is None:
-                    endpoint, _, key = addr.partition("|")
+                    endpoint, _, key = addr.partition(";")[0].partition("|")
                     s = dealers[addr] = connect_dealer(self.ctx, endpoint, self._ident,
                                                        key.encode() or None)
                     socks.add(s)
-                    poller.register(s, zmq.POLLIN)
+                    poller.register(s)
                 send_frames(s, frames[2:], zmq.NOBLOCK)
+                poller.touched(s)
             self.messages_out += 1
         except zmq.ZMQError as e:  # the peer is gone or not reading: never block here
             log.warning("rank %d dropped a message to a peer: %s", self.rank, e)
 
-    def _incoming(self, frames: list[Any]) -> None:
+    def _accept(self, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
+        """Take the connections waiting on the lane listener (the I/O thread)."""
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener[0].accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # (out of fds, say): the caller's connect fails or waits
+                log.warning("rank %d cannot accept a peer lane: %s", self.rank, e)
+                return
+            if _peer_uid(sock) != os.getuid():  # another user's process
+                log.warning("rank %d refused a peer lane from another user", self.rank)
+                sock.close()
+                continue
+            _buffers(sock)
+            ident = _LANE_IDENT + str(next(_accepted_ids)).encode()
+            lane = _lane.Lane(sock, f"peer lane {ident!r}", identity=ident,
+                              limit=self._limit())
+            self._accepted[ident] = lane
+            lanes[lane.fileno()] = lane
+            poller.register(lane.fileno())
+
+    def _read_lane(self, lane: _lane.Lane, poller: FdPoller,
+                   lanes: dict[int, _lane.Lane]) -> None:
+        """Handle what came on a peer lane: calls on a lane a peer made to this
+        worker, replies on one this worker made (the I/O thread)."""
         try:
-            msg = self.codec.decode(frames, router=True)
+            messages = lane.read()
+        except (OSError, ProtocolError) as e:  # (a message over the limit: the lane is lost)
+            log.warning("rank %d dropped a peer lane: %s", self.rank, e)
+            messages, lane.eof = [], True
+        for frames in messages:
+            if lane.identity:
+                self._incoming(frames, lane.identity)
+            else:
+                self._reply(frames)
+        if lane.eof:  # the other process is gone (or closed it)
+            poller.unregister(lane.fileno())
+            del lanes[lane.fileno()]
+            lane.close()
+            if lane.identity:
+                self._accepted.pop(lane.identity, None)
+            else:
+                with self._lanes_lock:  # a later message tries again, else ZeroMQ
+                    for addr, other in list(self._lane_to.items()):
+                        if other is lane:
+                            del self._lane_to[addr]
+
+    def _incoming(self, frames: list[Any], lane: bytes | None = None) -> None:
+        try:
+            if lane is None:
+                msg = self.codec.decode(frames, router=True)
+            else:
+                msg = self.codec.decode(frames, identity=[lane])
         except ProtocolError as e:
             log.warning("rank %d dropped a peer message: %s", self.rank, e)
             return
@@ -251,9 +423,58 @@ class PeerHost:
             req._finish()  # completes the caller's future (outside the lock)
 
 
+#: the routing identity of a peer lane's messages starts with this (a ZeroMQ
+#: identity that a worker sets never starts with a zero byte)
+_LANE_IDENT = b"\0lane-"
+_accepted_ids = itertools.count()
+_PEERCRED = struct.Struct("3i")  # (pid, uid, gid) of SO_PEERCRED
+
+
+def _peer_lanes_enabled() -> bool:
+    """Whether this worker listens for peer lanes: on Linux (abstract socket
+    names), unless ``MONARCH_LANES=0``."""
+    if not sys.platform.startswith("linux") or not hasattr(socket, "SO_PEERCRED"):
+        return False
+    try:
+        return _lane.lanes_enabled()
+    except ValueError as e:  # (the controller refuses such a value before it spawns)
+        log.warning("%s: peer lanes off", e)
+        return False
+
+
+def _listen() -> tuple[socket.socket, str] | None:
+    """A listening Unix socket in the abstract namespace and its name; None if
+    one cannot be made (peers use ZeroMQ then)."""
+    name = f"monarch-peer-{os.getpid()}-{secrets.token_hex(8)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as e:
+        log.info("no peer lane listener (%s): peers use ZeroMQ", e)
+        sock.close()
+        return None
+    return sock, name
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (-1 if unknown)."""
+    try:
+        return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                _PEERCRED.size))[1]
+    except OSError:
+        return -1
+
+
+def _buffers(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _lane.SOCKET_BUFFER)
+        except OSError:
+            pass
+
 
 def _addr_host(address: str) -> str:
-    """``tcp://10.0.0.2:5555|KEY`` -> ``10.0.0.2``."""
-    return address.split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]
-
-
+    """``tcp://10.0.0.2:5555|KEY;NAME`` -> ``10.0.0.2``."""
+    return address.split(";", 1)[0].split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]

@@ -311,7 +311,7 @@ def serve(host: Any, msg: Any) -> None:
     except Exception as e:  # noqa: BLE001 - cannot happen for arrays; never leave a reader waiting
         frames = host.codec.encode("reply", {"status": "error", "value": {
             "type": "RuntimeError", "message": f"rank {host.rank}: {e}"}}, parent=msg.id)
-    host.outbox.send([b"r", *msg.identity, *frames])
+    host.reply_to(msg.identity, frames)
 
 
 class _NoIpc(RuntimeError):

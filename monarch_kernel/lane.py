@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import TransportError
+from .errors import ProtocolError, TransportError
 from .sigint import DeferredSigint
 
 __all__ = ["Lane", "lanes_enabled", "pair", "prepare"]
@@ -123,13 +123,20 @@ class Lane:
         For error messages and the flusher thread's name.
     identity : bytes
         The routing identity the controller gives the lane's messages.
+    limit : int, optional
+        The largest message (bytes, framing included) that :meth:`read` takes;
+        a larger one is a :class:`~monarch_kernel.errors.ProtocolError` before
+        any room is made for it (for a lane that any process of this user can
+        connect, :mod:`monarch_kernel.actor_peers`). None: no limit.
     """
 
-    def __init__(self, sock: socket.socket, name: str = "lane", identity: bytes = b"") -> None:
+    def __init__(self, sock: socket.socket, name: str = "lane", identity: bytes = b"",
+                 limit: int | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.name = name
         self.identity = identity
+        self.limit = limit
         self.eof = False
         self._fd = sock.fileno()  # (kept: a closed socket's fileno() is -1)
         self._pid = os.getpid()
@@ -273,7 +280,14 @@ class Lane:
         """The messages that have fully arrived (each a list of frames, as
         writable ``bytearray``); sets :attr:`eof` when the other end closed. Reads the
         socket once (poll is level-triggered: what is left is read next time)
-        unless a message is bigger than what was read."""
+        unless a message is bigger than what was read.
+
+        Raises
+        ------
+        ProtocolError
+            If a message is larger than :attr:`limit` (the lane cannot be read
+            further: close it).
+        """
         out: list[list[bytearray]] = []
         if self._closed:
             self.eof = True
@@ -316,10 +330,14 @@ class Lane:
         while end - pos >= 4:
             (n,) = _COUNT.unpack_from(buf, pos)
             at = pos + 4 + 8 * n
+            if self.limit is not None and at - pos > self.limit:
+                self._too_big(4 + 8 * n)
             if at > end:
                 self._need = at - pos
                 break
             lens = _lengths_struct("<", n).unpack_from(buf, pos + 4)
+            if self.limit is not None and at - pos + sum(lens) > self.limit:
+                self._too_big(at - pos + sum(lens))
             if at + sum(lens) > end:
                 self._need = at + sum(lens) - pos
                 break
@@ -330,6 +348,11 @@ class Lane:
             out.append(frames)
             pos = at
         self._start = pos
+
+    def _too_big(self, nbytes: int) -> None:
+        self._start = self._end = 0
+        raise ProtocolError(f"{self.name}: a message of {nbytes} bytes, over the limit of "
+                            f"{self.limit} bytes")
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for queued data to leave; True if none is left."""

@@ -75,6 +75,37 @@ def test_small_messages_keep_their_frames_and_order() -> None:
         b.close()
 
 
+def test_a_message_over_the_limit_is_refused_before_room_is_made() -> None:
+    """A lane with a limit refuses a message whose framing claims more bytes
+    (a count of frames, or frame lengths) than it, before allocating them."""
+    import struct
+
+    from monarch_kernel.errors import ProtocolError
+
+    for head in (struct.pack("<I", 1 << 31),  # 2**31 frames: 16 GiB of lengths alone
+                 struct.pack("<IQ", 1, 1 << 40)):  # one frame of 1 TiB
+        a, b = pair()
+        lane = Lane(b, "limited", limit=1 << 20)
+        try:
+            a.sendall(head)
+            with pytest.raises(ProtocolError, match="over the limit of 1048576 bytes"):
+                _read(lane, 1)
+            assert len(lane._buf) <= 1 << 18  # no room was made for it
+        finally:
+            a.close()
+            lane.close()
+    a, b = pair()
+    lane = Lane(b, "limited", limit=1 << 20)
+    sender = Lane(a, "sender")
+    try:  # under the limit: taken as ever
+        big = [b"h", b"x" * ((1 << 20) - 100)]
+        sender.send(big)
+        assert _read(lane, 1) == [big]
+    finally:
+        sender.close()
+        lane.close()
+
+
 def test_frames_of_every_buffer_kind() -> None:
     a, b = _lanes()
     try:

@@ -1,6 +1,7 @@
 """Worker-to-worker actor calls under load (actor_peers): many threads of two
 workers call each other's actors at once, both ways; every reply arrives, to
-the thread that waits for it."""
+the thread that waits for it. On peer lanes (Unix sockets, same host: the
+default) and on ZeroMQ (``MONARCH_LANES=0``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ class Caller(Actor):
         return sums
 
 
-def test_many_threads_call_peers_both_ways_at_once():
+@pytest.mark.parametrize("lanes", ["1", "0"], ids=["peer-lanes", "zeromq"])
+def test_many_threads_call_peers_both_ways_at_once(lanes, monkeypatch):
+    monkeypatch.setenv("MONARCH_LANES", lanes)  # (the workers inherit it)
     threads, calls = 6, 150
     procs = spawn_procs(2)
     try:
@@ -70,5 +73,48 @@ def test_many_threads_call_peers_both_ways_at_once():
         assert m.echo.call(7).get(timeout=30).values() == [7, 7]
         for st in c.peer_stats.call().get(timeout=30).values():  # all went worker to worker
             assert st["out"] >= threads * calls, st
+            if lanes == "1":  # one lane to the peer it calls, one from the peer calling it
+                assert (st["lanes_out"], st["lanes_in"]) == (1, 1), st
+            else:
+                assert (st["lanes_out"], st["lanes_in"]) == (0, 0), st
+    finally:
+        procs.stop()
+
+
+class Sleeper(Actor):
+    @endpoint
+    def sleep(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+
+class Waiter(Actor):
+    @endpoint
+    def wait_on(self, other) -> str:
+        """Call ``other``'s 60 s sleep and say how the wait ended."""
+        try:
+            other.sleep.call_one(60).get(timeout=90)
+            return "returned"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("lanes", ["1", "0"], ids=["peer-lanes", "zeromq"])
+def test_a_peer_killed_while_called_fails_the_waiting_call(lanes, monkeypatch):
+    import os
+    import signal
+    import time
+
+    monkeypatch.setenv("MONARCH_LANES", lanes)
+    procs = spawn_procs(2)
+    try:
+        s = procs.slice(procs=1).spawn("sleeper", Sleeper)
+        w = procs.slice(procs=0).spawn("waiter", Waiter)
+        pending = w.wait_on.call_one(s)
+        time.sleep(0.5)  # (the call is on its way, or sleeping there)
+        os.kill(procs.controller.ranks[1].pid, signal.SIGKILL)
+        said = pending.get(timeout=60)
+        assert said.startswith("MeshFailure") and "rank 1" in said, said
     finally:
         procs.stop()

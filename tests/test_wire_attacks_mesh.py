@@ -115,10 +115,17 @@ def test_a_connection_claiming_a_ranks_identity_does_not_take_its_traffic(mesh, 
 
 
 # ------------------------------------------------------ a worker's peer socket
-def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd):
+@pytest.mark.parametrize("via", ["zeromq", "peer-lane"])
+def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd, via):
+    """Forged, unsigned and malformed messages to a worker's peer ROUTER, or on a
+    peer lane (a Unix socket a same-user process connected), run nothing, get no
+    answer and leave the worker serving."""
+    import socket
+
     import cloudpickle
 
     from monarch_kernel import Actor, endpoint
+    from monarch_kernel.lane import prepare
     from monarch_kernel.procmesh import spawn_procs
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -136,14 +143,23 @@ def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd):
         assert list(am.ping.call().get(timeout=30).values()) == ["pong", "pong"]
         addr = am._peers[1]
         assert addr.startswith("tcp://127.0.0.1:")
-        d = dealer(ctx, addr, b"attacker")
+        endpoint_, _, lane_name = addr.partition(";")
+        assert lane_name.startswith("monarch-peer-"), addr
         wrong = protocol.Codec(protocol.new_key(), "r0")
         call = {"a": "target", "m": "ping", "args": (Evil(str(marker)),), "kwargs": {}}
         h, p = split(wrong.encode("call", call))
         attacks = [wrong.encode("call", call), [envelope(h, p, b"\0" * 32)], [b"garbage"],
                    [envelope(h, p)[:38]]]
-        for frames in attacks:
-            d.send_multipart(frames)
+        if via == "zeromq":
+            d = dealer(ctx, endpoint_, b"attacker")
+            for frames in attacks:
+                d.send_multipart(frames)
+        else:
+            u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            u.settimeout(5)
+            u.connect("\0" + lane_name)
+            for frames in attacks:
+                u.sendall(b"".join(bytes(x) for x in prepare(frames)[0]))
         err = ""
 
         def logged() -> bool:
@@ -153,9 +169,89 @@ def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd):
 
         wait_for(logged, 10, what="the peer socket's warnings")
         assert not marker.exists()
-        assert not d.poll(200)  # no answer to an attacker
-        d.close(0)
+        if via == "zeromq":
+            assert not d.poll(200)  # no answer to an attacker
+            d.close(0)
+        else:
+            u.settimeout(0.2)
+            with pytest.raises(socket.timeout):
+                u.recv(1)  # no answer to an attacker
+            u.close()
         assert list(am.ping.call().get(timeout=30).values()) == ["pong", "pong"]
     finally:
         ctx.destroy(linger=0)
+        m.stop()
+
+
+def test_a_peer_lane_claiming_a_huge_message_or_of_another_user_is_dropped(capfd):
+    """On a worker's peer-lane listener: a connection whose first message claims
+    1 PiB is closed before room is made for it; a connection from another user
+    (root only: a child switches to uid 65534) is refused; the worker's
+    peer-to-peer calls go on."""
+    import socket
+    import struct
+
+    import cloudpickle
+
+    from monarch_kernel import Actor, endpoint
+    from monarch_kernel.procmesh import spawn_procs
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Peer(Actor):
+        @endpoint
+        def ping(self) -> str:
+            return "pong"
+
+        @endpoint
+        def ask(self, other) -> str:
+            return other.ping.call_one().get(timeout=30)
+
+    m = spawn_procs(2)
+    try:
+        am = m.spawn("peer", Peer)
+        lane_name = am._peers[1].partition(";")[2]
+        assert am.slice(procs=0).ask.call_one(am.slice(procs=1)).get(timeout=30) == "pong"
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        u.settimeout(10)
+        u.connect("\0" + lane_name)
+        u.sendall(struct.pack("<IQ", 1, 1 << 50))
+        assert u.recv(1) == b""  # closed by the worker
+        u.close()
+        err = ""
+
+        def logged(text: str) -> bool:
+            nonlocal err
+            err += capfd.readouterr().err
+            return text in err
+
+        wait_for(lambda: logged("dropped a peer lane"), 10, what="the lane's warning")
+        assert "over the limit" in err
+        if os.geteuid() == 0:
+            pid = os.fork()
+            if pid == 0:  # the child: another user, connecting and asking
+                code = 1
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(10)
+                    s.connect("\0" + lane_name)
+                    s.sendall(struct.pack("<IQ", 1, 3) + b"abc")
+                    try:
+                        code = 0 if s.recv(1) == b"" else 2  # closed, nothing answered
+                    except ConnectionResetError:  # (closed with the bytes unread)
+                        code = 0
+                except BaseException as e:  # noqa: BLE001 - said, then the exit code
+                    os.write(2, f"child: {e!r}\n".encode())
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            wait_for(lambda: logged("refused a peer lane from another user"), 10,
+                     what="the refusal's warning")
+        # the worker still takes peer calls, on its lanes
+        assert am.slice(procs=0).ask.call_one(am.slice(procs=1)).get(timeout=30) == "pong"
+        assert list(am.ping.call().get(timeout=30).values()) == ["pong", "pong"]
+    finally:
         m.stop()
