@@ -35,6 +35,8 @@ import socket
 import struct
 import sys
 import threading
+import time
+import weakref
 from typing import Any
 
 import zmq
@@ -59,6 +61,7 @@ log = logging.getLogger("monarch_kernel.actor")
 
 _host: PeerHost | None = None
 _host_lock = threading.Lock()
+_hosts: weakref.WeakSet[PeerHost] = weakref.WeakSet()  # (for the fork hook)
 
 
 def peer_host(worker: Any) -> PeerHost:
@@ -142,12 +145,15 @@ class PeerHost:
         # None where none can be made), those that peers made to it (identity -> lane),
         # and connections made by callers' threads that the I/O thread has yet to watch
         self._lane_to: dict[str, _lane.Lane | None] = {}
+        self._listen_paused = 0.0  # (monotonic s) the listener is unwatched until then
         self._accepted: dict[bytes, _lane.Lane] = {}
         self._new_lanes: list[_lane.Lane] = []
+        self._dead_lanes: list[_lane.Lane] = []  # lanes to ranks declared dead: to close
         self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
         self._thread.start()
+        _hosts.add(self)
 
     def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
                 oneway: bool, type: str = "call") -> Request | None:
@@ -215,30 +221,27 @@ class PeerHost:
         self.outbox.send([b"r", *route, *frames])
 
     def _connect(self, address: str) -> _lane.Lane | None:
-        """The peer lane to ``address``, made now if it can be; None (kept)
-        where it cannot (another host, or lanes off)."""
+        """The peer lane to ``address``, made now if it can be; None (kept, so
+        that messages to one address never switch transport and overtake each
+        other) where it cannot: another host or network namespace, lanes off,
+        or a listener that is not the peer's (its process id, in the name, and
+        this user, both checked with ``SO_PEERCRED``)."""
         name = address.partition(";")[2]
-        with self._lanes_lock:
-            lane = self._lane_to.get(address, False)
-            if lane is not False:
-                return lane
-            lane = None
-            if name and self.listener is not None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    sock.settimeout(5.0)
-                    sock.connect("\0" + name)
-                    _buffers(sock)
-                    lane = _lane.Lane(sock, f"peer lane to {address}", limit=self._limit())
-                except OSError as e:  # not on this host (or network namespace)
-                    log.debug("no peer lane to %s (%s): ZeroMQ it is", address, e)
-                    sock.close()
-            self._lane_to[address] = lane
-            if lane is not None:
-                self._new_lanes.append(lane)
-        if lane is not None:
+        lane = None
+        if (name and self.listener is not None
+                and _addr_host(address) == _addr_host(self.address)):
+            lane = _dial(name, f"peer lane to {address}", self._limit())
+        with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
+            kept = self._lane_to.get(address, False)
+            if kept is False:
+                self._lane_to[address] = kept = lane
+                if lane is not None:
+                    self._new_lanes.append(lane)
+        if kept is not lane and lane is not None:
+            lane.close()
+        elif lane is not None:
             self.outbox.send([b"n"])  # the I/O thread watches it from now on
-        return lane
+        return kept
 
     def _limit(self) -> int:
         """The largest message a peer lane takes (bytes): what the codec takes,
@@ -249,6 +252,13 @@ class PeerHost:
         """Rank ``rank`` (peer ``address``) is gone: fail every call waiting on it,
         and later calls to that address (any thread)."""
         failure = MeshFailure(reason, rank=rank)
+        if address:
+            with self._lanes_lock:  # (a hung process's lane: closed by the I/O thread)
+                lane = self._lane_to.get(address)
+                if lane is not None:
+                    self._dead_lanes.append(lane)
+            if lane is not None:
+                self.outbox.send([b"n"])
         with self._lock:
             if address:
                 self.dead[address] = failure
@@ -271,7 +281,15 @@ class PeerHost:
         lanes: dict[int, _lane.Lane] = {}  # fd -> lane (both ways)
         try:
             while True:
-                for obj, _ev in poller.poll(1000):
+                wait = 1000
+                if self._listen_paused:  # (out of fds a moment ago: see _accept)
+                    left = self._listen_paused - time.monotonic()
+                    if left <= 0:
+                        self._listen_paused = 0.0
+                        poller.register(listen_fd)
+                    else:
+                        wait = int(left * 1000) + 1
+                for obj, _ev in poller.poll(wait):
                     if obj is self.pull:
                         for frames in drain(self.pull):
                             self._forward(frames, dealers, socks, poller, lanes)
@@ -295,12 +313,17 @@ class PeerHost:
                  lanes: dict[int, _lane.Lane]) -> None:
         kind = frames[0].bytes
         try:
-            if kind == b"n":  # new peer lanes made by callers: watch them
+            if kind == b"n":  # new peer lanes made by callers: watch them; dead ones: close
                 with self._lanes_lock:
                     new, self._new_lanes = self._new_lanes, []
+                    dead, self._dead_lanes = self._dead_lanes, []
                 for lane in new:
                     lanes[lane.fileno()] = lane
                     poller.register(lane.fileno())
+                for lane in dead:
+                    if lanes.get(lane.fileno()) is lane:
+                        lane.eof = True
+                        self._read_lane(lane, poller, lanes)  # (at eof: forgets and closes it)
                 return
             if kind == b"r":
                 send_frames(self.router, frames[1:], zmq.NOBLOCK)
@@ -328,8 +351,12 @@ class PeerHost:
                 sock, _ = self.listener[0].accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # (out of fds, say): the caller's connect fails or waits
-                log.warning("rank %d cannot accept a peer lane: %s", self.rank, e)
+            except OSError as e:  # out of fds, say: the connection waits in the backlog,
+                # so the listener, level-triggered, would be ready again at once
+                log.warning("rank %d cannot accept a peer lane (%s); trying again in "
+                            "%.1f s", self.rank, e, ACCEPT_RETRY_S)
+                poller.unregister(self.listener[0].fileno())
+                self._listen_paused = time.monotonic() + ACCEPT_RETRY_S
                 return
             if _peer_uid(sock) != os.getuid():  # another user's process
                 log.warning("rank %d refused a peer lane from another user", self.rank)
@@ -347,11 +374,13 @@ class PeerHost:
                    lanes: dict[int, _lane.Lane]) -> None:
         """Handle what came on a peer lane: calls on a lane a peer made to this
         worker, replies on one this worker made (the I/O thread)."""
-        try:
-            messages = lane.read()
-        except (OSError, ProtocolError) as e:  # (a message over the limit: the lane is lost)
-            log.warning("rank %d dropped a peer lane: %s", self.rank, e)
-            messages, lane.eof = [], True
+        messages: list[Any] = []
+        if not lane.eof:
+            try:
+                messages = lane.read()
+            except Exception as e:  # noqa: BLE001 - over the limit, out of memory: that lane
+                log.warning("rank %d dropped a peer lane: %s", self.rank, e)
+                lane.eof = True
         for frames in messages:
             if lane.identity:
                 self._incoming(frames, lane.identity)
@@ -423,6 +452,11 @@ class PeerHost:
             req._finish()  # completes the caller's future (outside the lock)
 
 
+#: seconds the lane listener is left unwatched after an accept failed (out of fds)
+ACCEPT_RETRY_S = 0.5
+#: seconds a caller waits for a peer's lane listener to take its connection
+CONNECT_TIMEOUT_S = 1.0
+
 #: the routing identity of a peer lane's messages starts with this (a ZeroMQ
 #: identity that a worker sets never starts with a zero byte)
 _LANE_IDENT = b"\0lane-"
@@ -458,13 +492,57 @@ def _listen() -> tuple[socket.socket, str] | None:
     return sock, name
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of a Unix socket (-1 if unknown)."""
+def _peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket ((-1, -1) if unknown)."""
     try:
-        return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                _PEERCRED.size))[1]
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        return pid, uid
     except OSError:
-        return -1
+        return -1, -1
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    return _peer_cred(sock)[1]
+
+
+def _dial(name: str, label: str, limit: int) -> _lane.Lane | None:
+    """A lane to the listener ``name`` (``monarch-peer-PID-HEX``) if the process
+    listening there is PID and of this user; else None."""
+    try:
+        pid = int(name.split("-")[2])
+    except (IndexError, ValueError):
+        return None
+    sock = None
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect("\0" + name)
+        if _peer_cred(sock) != (pid, os.getuid()):  # another process took the name
+            log.warning("refused %s: the listener is not the peer's process", label)
+            sock.close()
+            return None
+        _buffers(sock)
+        return _lane.Lane(sock, label, limit=limit)
+    except OSError as e:  # not on this host (or network namespace), out of fds, ...
+        log.debug("no %s (%s): ZeroMQ it is", label, e)
+        if sock is not None:
+            sock.close()
+        return None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader's worker) does not keep the lane listener:
+    the name would outlive the worker, taking connections nobody reads."""
+    for h in list(_hosts):
+        h._lanes_lock = threading.Lock()
+        h._lock = threading.Lock()
+        if h.listener is not None:
+            h.listener[0].close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _buffers(sock: socket.socket) -> None:

@@ -74,6 +74,9 @@ CHUNK = 1 << 18
 #: what a socket is asked to buffer each way (bytes; the kernel may cap it)
 SOCKET_BUFFER = 1 << 22
 _IOV_MAX = 512  # frames gathered by one sendmsg at most (Linux allows 1024)
+#: frames a message may have on a lane with a limit (a protocol message has one
+#: envelope and at most 65535 buffers)
+MAX_FRAMES = 1 << 16
 
 
 def lanes_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -125,9 +128,11 @@ class Lane:
         The routing identity the controller gives the lane's messages.
     limit : int, optional
         The largest message (bytes, framing included) that :meth:`read` takes;
-        a larger one is a :class:`~monarch_kernel.errors.ProtocolError` before
-        any room is made for it (for a lane that any process of this user can
-        connect, :mod:`monarch_kernel.actor_peers`). None: no limit.
+        a larger one, or one of more than :data:`MAX_FRAMES` frames, is a
+        :class:`~monarch_kernel.errors.ProtocolError` before any room is made
+        for it, and room for a message is made as its bytes come, not all at
+        once (for a lane that any process of this user can connect,
+        :mod:`monarch_kernel.actor_peers`). None: no limit.
     """
 
     def __init__(self, sock: socket.socket, name: str = "lane", identity: bytes = b"",
@@ -301,7 +306,11 @@ class Lane:
                     buf[:partial] = buf[self._start:self._end]
                     self._start, self._end = 0, partial
                 if need > len(buf) or self._end == len(buf):
-                    buf.extend(bytes(max(need, 2 * len(buf)) - len(buf)))
+                    # room for the whole message at once; on a lane with a limit (that
+                    # other processes can connect), only as its bytes come: doubling
+                    size = (max(need, 2 * len(buf)) if self.limit is None else
+                            max(min(need, 2 * len(buf)), self._end + CHUNK))
+                    buf.extend(bytes(size - len(buf)))
             try:
                 n = self.sock.recv_into(memoryview(buf)[self._end:])
             except (BlockingIOError, InterruptedError):
@@ -330,8 +339,8 @@ class Lane:
         while end - pos >= 4:
             (n,) = _COUNT.unpack_from(buf, pos)
             at = pos + 4 + 8 * n
-            if self.limit is not None and at - pos > self.limit:
-                self._too_big(4 + 8 * n)
+            if self.limit is not None and (n > MAX_FRAMES or at - pos > self.limit):
+                self._too_big(4 + 8 * n, n)
             if at > end:
                 self._need = at - pos
                 break
@@ -349,8 +358,11 @@ class Lane:
             pos = at
         self._start = pos
 
-    def _too_big(self, nbytes: int) -> None:
+    def _too_big(self, nbytes: int, frames: int = 0) -> None:
         self._start = self._end = 0
+        if frames > MAX_FRAMES:
+            raise ProtocolError(f"{self.name}: a message of {frames} frames, over the limit "
+                                f"of {MAX_FRAMES}")
         raise ProtocolError(f"{self.name}: a message of {nbytes} bytes, over the limit of "
                             f"{self.limit} bytes")
 

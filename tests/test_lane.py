@@ -88,12 +88,36 @@ def test_a_message_over_the_limit_is_refused_before_room_is_made() -> None:
         lane = Lane(b, "limited", limit=1 << 20)
         try:
             a.sendall(head)
-            with pytest.raises(ProtocolError, match="over the limit of 1048576 bytes"):
+            with pytest.raises(ProtocolError, match="over the limit of (1048576 bytes|65536)"):
                 _read(lane, 1)
             assert len(lane._buf) <= 1 << 18  # no room was made for it
         finally:
             a.close()
             lane.close()
+    from monarch_kernel.lane import MAX_FRAMES
+
+    a, b = pair()
+    lane = Lane(b, "limited", limit=1 << 40)
+    try:  # more frames than a protocol message has, even if small
+        a.sendall(struct.pack("<I", MAX_FRAMES + 1))
+        with pytest.raises(ProtocolError, match=f"over the limit of {MAX_FRAMES}"):
+            _read(lane, 1)
+    finally:
+        a.close()
+        lane.close()
+    a, b = pair()
+    lane = Lane(b, "limited", limit=1 << 40)
+    try:  # under the limit, claiming 1 GiB: room is made as the bytes come, not at once
+        a.setblocking(False)
+        a.sendall(struct.pack("<IQ", 1, 1 << 30) + b"x" * 600_000)
+        deadline = time.monotonic() + 10
+        while lane._end < 12 + 600_000 and time.monotonic() < deadline:
+            lane.read()
+        assert lane._end == 12 + 600_000
+        assert len(lane._buf) < 4 << 20, len(lane._buf)
+    finally:
+        a.close()
+        lane.close()
     a, b = pair()
     lane = Lane(b, "limited", limit=1 << 20)
     sender = Lane(a, "sender")
