@@ -95,18 +95,21 @@ def test_a_forked_child_does_not_keep_the_listener():
     connection (the child closed its copy of the listener at the fork)."""
     out = _run("""
         r, w = os.pipe()
+        r2, w2 = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker
             try:
                 h = make_host()
                 os.write(w, h.listener[1].encode())
                 if os.fork() == 0:  # its user code's long-lived child
+                    os.write(w2, b"1")  # (past the fork hooks)
                     time.sleep(5)
                     os._exit(0)
             finally:
                 os._exit(0)  # the worker is gone; its child lives on
         name = os.read(r, 200).decode()
         os.waitpid(pid, 0)
+        os.read(r2, 1)
         s = socket.socket(socket.AF_UNIX); s.settimeout(5)
         try:
             s.connect("\\0" + name)

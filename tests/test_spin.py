@@ -199,6 +199,11 @@ def test_no_spin_on_one_core(sleeper, monkeypatch) -> None:
 
 
 def test_no_spin_while_busy_ranks_outnumber_the_cores(monkeypatch) -> None:
+    from monarch_kernel import controller_io
+
+    # (this test is about the busy-ranks rule: a yield kept long by a loaded machine
+    # must not turn the spin off for a second, the contended-core rule, meanwhile)
+    monkeypatch.setattr(controller_io, "CONTENDED_S", 10.0)
     pm = spawn_procs(3)
     try:
         ctl = pm.controller
