@@ -191,7 +191,19 @@ def _rest(lines: list[str], result: dict[str, Any]) -> None:
                      f"{fan['ratio_to_raw_n64']:.2f}x")
 
 
+#: set in the environment of the benchmark run by its reaper (benchmarks/reaper.py)
+_REAPED = "MONARCH_BENCH_REAPED"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if os.environ.get(_REAPED) != "1" and sys.platform.startswith("linux"):
+        # run as the child of a subreaper, so that whatever the peers start (ipyparallel
+        # engines, Ray's daemons, kernels) ends with the run, even a run killed outright
+        from .reaper import run_reaped
+
+        return run_reaped([sys.executable, "-m", "benchmarks", *argv],
+                          env={**os.environ, _REAPED: "1"})
     p = argparse.ArgumentParser(prog="python -m benchmarks")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--quick", action="store_true", help="fewer iterations (about a minute)")

@@ -18,7 +18,6 @@ from monarch_kernel.testing import wait_for, worker_pids
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(600)
 def _tagged_workers(tag: str) -> list[int]:
     """Worker processes whose environment carries ``tag`` (inherited from this run)."""
     out = []
@@ -31,6 +30,7 @@ def _tagged_workers(tag: str) -> list[int]:
     return out
 
 
+@pytest.mark.timeout(600)
 def test_debugging_notebook_runs_with_scripted_stdin(tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.run(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from notebook_helpers import kernel_pid_hook
 
 from monarch_kernel.testing import wait_for, worker_pids
 
@@ -15,13 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_fault_tolerance_notebook_recovers_and_reaches_90_percent():
-    before = set(worker_pids())
     nb = nbformat.read(ROOT / "notebooks" / "05_fault_tolerance.ipynb", as_version=4)
-    NotebookClient(nb, kernel_name="monarch", timeout=600).execute()
+    ref: list = []
+    kernel: list[int] = []
+    client = NotebookClient(nb, kernel_name="monarch", timeout=600,
+                            on_cell_start=kernel_pid_hook(ref, kernel))
+    ref.append(client)
+    client.execute()
+    assert kernel and kernel[0], "the kernel's pid was not seen"
     text = "".join(out.get("text", "") for c in nb.cells for out in c.get("outputs", []))
     assert "MeshFailure: rank 2" in text and "killed by SIGKILL" in text
     assert "restarted" in text and "resumed from the checkpoint" in text
     accs = [float(x) for x in re.search(r"per rank: \[([^\]]*)\]", text).group(1).split(",")]
     assert len(accs) == 4 and min(accs) >= 0.90
     # workers of a kernel killed mid-shutdown notice and exit within seconds
-    wait_for(lambda: not set(worker_pids()) - before, timeout=10, what="workers exit")
+    wait_for(lambda: not worker_pids(kernel[0]), timeout=10, what="workers exit")

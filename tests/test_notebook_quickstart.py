@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from notebook_helpers import kernel_pid_hook
 
 from monarch_kernel.testing import wait_for, worker_pids
 
@@ -14,10 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_notebook_trains_to_90_percent():
-    before = set(worker_pids())
     nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
-    client = NotebookClient(nb, kernel_name="monarch", timeout=600, allow_errors=False)
+    ref: list = []
+    kernel: list[int] = []
+    client = NotebookClient(nb, kernel_name="monarch", timeout=600, allow_errors=False,
+                            on_cell_start=kernel_pid_hook(ref, kernel))
+    ref.append(client)
     client.execute()
+    assert kernel and kernel[0], "the kernel's pid was not seen"
     texts = []
     for cell in nb.cells:
         for out in cell.get("outputs", []):
@@ -32,7 +37,7 @@ def test_quickstart_notebook_trains_to_90_percent():
     # the last cell stops the mesh; should the kernel's shutdown still leave a worker
     # (a kernel killed mid-shutdown), it must notice and exit within seconds
     try:
-        wait_for(lambda: not set(worker_pids()) - before, timeout=10, what="workers exit")
+        wait_for(lambda: not worker_pids(kernel[0]), timeout=10, what="workers exit")
     except TimeoutError:
         raise AssertionError(f"workers left after the notebook: "
-                             f"{set(worker_pids()) - before}") from None
+                             f"{worker_pids(kernel[0])}") from None
