@@ -71,7 +71,7 @@ from .actor_cycles import WaitCycleError
 from .actor_host import Packed, actor_point, context, dispatch_call, spawn_local, stop_local
 from .actor_replies import CallOutput, raise_failures, show_display
 from .controller import Request
-from .errors import ActorError, MeshFailure
+from .errors import ActorError, MeshError, MeshFailure
 from .future import Future
 from .mesh import Point, Shape, ValueMesh
 from .serialize import cuda_ipc
@@ -221,12 +221,13 @@ class ActorMesh(Generic[A]):
     """
 
     def __init__(self, record: _Record, shape: Shape, peers: dict[int, str],
-                 endpoints: tuple[str, ...], class_name: str) -> None:
+                 endpoints: tuple[str, ...], class_name: str, mesh: str | None = None) -> None:
         self._record = record
         self.shape = shape
         self._peers = peers
         self._endpoints = endpoints
         self._class_name = class_name
+        self._mesh = mesh  # the fingerprint of its mesh's key, once it travelled
 
     @property
     def name(self) -> str:
@@ -258,7 +259,7 @@ class ActorMesh(Generic[A]):
             For an unknown dimension, an index out of range or an empty slice.
         """
         return ActorMesh(self._record, self.shape.slice(**selectors), self._peers,
-                         self._endpoints, self._class_name)
+                         self._endpoints, self._class_name, self._mesh)
 
     def __getattr__(self, name: str) -> Endpoint:
         if name.startswith("_"):
@@ -280,7 +281,39 @@ class ActorMesh(Generic[A]):
 
     def __reduce__(self) -> tuple:
         return (_rebuild, (self._record.uid, self.name, self.shape.dims, self.shape.ranks,
-                           self._peers, self._endpoints, self._class_name))
+                           self._peers, self._endpoints, self._class_name,
+                           self._mesh_fingerprint()))
+
+    def _mesh_fingerprint(self) -> str | None:
+        """The fingerprint of the key of the mesh this actor mesh runs on."""
+        pm = self._record.procmesh
+        if pm is not None:  # (spawned by this process: its controller holds the key)
+            return pm.controller.codec.fingerprint
+        return self._mesh
+
+    def _caller_worker(self) -> Any:
+        """The worker that calls this actor mesh peer to peer: this process's, when
+        it is a worker and did not spawn the actor mesh itself (an actor calls its
+        own mesh-mates); None when this process is the actor mesh's controller.
+
+        Raises
+        ------
+        MeshError
+            When the actor mesh runs on another mesh than this worker: its
+            processes check messages with another key, so they could never
+            answer.
+        """
+        if self._record.procmesh is not None:
+            return None
+        w = _current_worker()
+        if w is not None and self._mesh is not None and self._mesh != w.codec.fingerprint:
+            raise MeshError(
+                f"actor mesh {self.name!r} runs on another process mesh than this worker "
+                f"(rank {w.rank}): a worker can call the actors of its own mesh only (each "
+                "mesh signs its messages with a key of its own). Spawn the two actor meshes "
+                "on one ProcMesh, or have the controller relay: return the data to it and "
+                "call the other actor mesh from there")
+        return w
 
     # ------------------------------------------------------------- stopping
     def stop(self, timeout: float = 10.0) -> None:
@@ -333,7 +366,7 @@ class ActorMesh(Generic[A]):
             with cuda_ipc(one_here):
                 payload = Packed.pack((args, kwargs))
         content: dict[str, Any] = {"a": rec.name, "m": method, "u": rec.uid, "p": payload}
-        if one_here and _current_worker() is not None:
+        if one_here and self._caller_worker() is not None:
             content["i"] = 1  # a worker calls: its reply may hold IPC handles too
         if oneway:
             content["o"] = True
@@ -345,7 +378,7 @@ class ActorMesh(Generic[A]):
             content["k"] = keep
         if (args or kwargs) and has_code(args, kwargs):
             content["s"] = sources_for([*args, *kwargs.values()])
-        w = _current_worker()
+        w = self._caller_worker()
         if w is not None:
             from .actor_host import peer_host
 
@@ -354,7 +387,7 @@ class ActorMesh(Generic[A]):
             return peer_host(w).request(ranks, self._peers, content, oneway)
         pm = rec.procmesh
         if pm is None:
-            raise RuntimeError(
+            raise MeshError(
                 f"this handle of actor mesh {rec.name!r} lives in a process that is neither "
                 "the controller that spawned it nor a worker of its mesh; it cannot call it"
             )
@@ -369,7 +402,7 @@ class ActorMesh(Generic[A]):
         return ctl.request(ranks, "call", content)
 
     def _on_this_host(self, rank: int) -> bool:
-        w = _current_worker()
+        w = self._caller_worker()
         if w is not None:  # (not this very process: an IPC handle cannot be opened there)
             from .actor_peers import _addr_host, peer_host
 
@@ -390,7 +423,7 @@ class ActorMesh(Generic[A]):
         with rec.lock:
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
-        if _current_worker() is None:  # the controller's process: this thread reads its reply
+        if self._caller_worker() is None:  # its controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
@@ -411,8 +444,10 @@ class ActorMesh(Generic[A]):
 
 
 def _rebuild(uid: str, name: str, dims: dict[str, int], ranks: list[int],
-             peers: dict[int, str], endpoints: tuple[str, ...], class_name: str) -> ActorMesh:
-    return ActorMesh(_record(uid, name), Shape(dims, ranks), peers, endpoints, class_name)
+             peers: dict[int, str], endpoints: tuple[str, ...], class_name: str,
+             mesh: str | None = None) -> ActorMesh:
+    return ActorMesh(_record(uid, name), Shape(dims, ranks), peers, endpoints, class_name,
+                     mesh)
 
 
 class Endpoint:

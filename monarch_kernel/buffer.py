@@ -31,8 +31,6 @@ when the data is ready (an endpoint call does).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import secrets
 import sys
 import threading
@@ -314,13 +312,8 @@ def unregister(bid: str) -> None:
 
 
 def _fingerprint(w: Any) -> str:
-    """Names the mesh of worker ``w`` (from its key; the key itself never travels)."""
-    return _key_fingerprint(w.codec._key)
-
-
-@functools.lru_cache(maxsize=8)
-def _key_fingerprint(key: bytes) -> str:  # (once per mesh key, not per operation)
-    return hashlib.sha256(b"monarch-rdma-buffer:" + key).hexdigest()[:16]
+    """Names the mesh of worker ``w`` (``Codec.fingerprint``; the key never travels)."""
+    return w.codec.fingerprint
 
 
 def registered(bid: str) -> bool:

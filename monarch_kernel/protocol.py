@@ -207,6 +207,10 @@ class Codec:
             raise ValueError("a mesh key must not be empty")
         self._key = key
         self._hmac = hmac.new(key, digestmod=hashlib.sha256)
+        #: names the mesh this codec's key belongs to (16 hex digits; the key itself
+        #: cannot be learned from it): handles of actors and buffers carry it, so a
+        #: process of another mesh, which cannot sign for this one, refuses them at once
+        self.fingerprint = hashlib.sha256(b"monarch-mesh:" + key).hexdigest()[:16]
         self.sender = sender
         self.max_header = max_header
         self.max_buffers = max_buffers
