@@ -293,27 +293,35 @@ class ActorMesh(Generic[A]):
 
     def _caller_worker(self) -> Any:
         """The worker that calls this actor mesh peer to peer: this process's, when
-        it is a worker and did not spawn the actor mesh itself (an actor calls its
-        own mesh-mates); None when this process is the actor mesh's controller.
+        it is a worker and did not spawn the actor mesh itself (an actor calls the
+        actors of its own mesh, or of another mesh of its program:
+        :mod:`monarch_kernel.mesh_keys`); None when this process is the actor
+        mesh's controller.
 
         Raises
         ------
         MeshError
-            When the actor mesh runs on another mesh than this worker: its
-            processes check messages with another key, so they could never
-            answer.
+            When the actor mesh runs on a mesh whose key this worker does not
+            have (another program's): its processes could never accept the call.
         """
         if self._record.procmesh is not None:
             return None
         w = _current_worker()
-        if w is not None and self._mesh is not None and self._mesh != w.codec.fingerprint:
+        if (w is not None and self._mesh is not None and self._mesh != w.codec.fingerprint
+                and self._mesh not in getattr(w, "keyring", {})):
             raise MeshError(
                 f"actor mesh {self.name!r} runs on another process mesh than this worker "
-                f"(rank {w.rank}): a worker can call the actors of its own mesh only (each "
-                "mesh signs its messages with a key of its own). Spawn the two actor meshes "
-                "on one ProcMesh, or have the controller relay: return the data to it and "
-                "call the other actor mesh from there")
+                f"(rank {w.rank}), one that this worker's program did not spawn (another "
+                "program's, or one that is stopped): a worker can call the actors of its "
+                "own program's meshes only (each mesh signs its messages with a key of its "
+                "own). Have the controller relay: return the data to it and call the other "
+                "actor mesh from there")
         return w
+
+    def _foreign(self, w: Any) -> str | None:
+        """The key fingerprint of this actor mesh's mesh when it is not worker ``w``'s."""
+        m = self._mesh
+        return m if m is not None and m != w.codec.fingerprint else None
 
     # ------------------------------------------------------------- stopping
     def stop(self, timeout: float = 10.0) -> None:
@@ -382,9 +390,10 @@ class ActorMesh(Generic[A]):
         if w is not None:
             from .actor_host import peer_host
 
-            if not oneway and getattr(context, "actor", None) is not None:
+            foreign = self._foreign(w)
+            if not oneway and getattr(context, "actor", None) is not None and not foreign:
                 content["w"] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
-            return peer_host(w).request(ranks, self._peers, content, oneway)
+            return peer_host(w).request(ranks, self._peers, content, oneway, mesh=foreign)
         pm = rec.procmesh
         if pm is None:
             raise MeshError(

@@ -337,6 +337,8 @@ def call_guard(uid: str, name: str, ranks: list[int], req: Any,
         inst = getattr(context, "actor", None)  # the waiting thread's actor
         if inst is None:
             return None
+        if req.mesh is not None:  # a call to another mesh's actor: not watched (its ranks
+            return None  # are another numbering, and its notices another key's)
         if inst.uid == uid and inst.point.rank in ranks:
             raise WaitCycleError(
                 f"actor {name!r} on rank {inst.point.rank} waits for a call to its own "

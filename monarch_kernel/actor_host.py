@@ -372,7 +372,7 @@ def dispatch_call(worker: Any, msg: Any) -> None:
     if "sys" in c:
         host = actor_peers._host
         if c["sys"] == "dead" and host is not None:
-            host.fail_rank(c["rank"], c.get("addr"), c["reason"])
+            host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
         return
     inst = worker.actors.get(c["a"])
     if inst is None:

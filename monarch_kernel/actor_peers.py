@@ -145,6 +145,11 @@ class PeerHost:
         # None where none can be made), those that peers made to it (identity -> lane),
         # and connections made by callers' threads that the I/O thread has yet to watch
         self._lane_to: dict[str, _lane.Lane | None] = {}
+        #: codecs of other meshes of this program, by fingerprint (mesh_keys.py), and the
+        #: one that checks the replies coming from each peer address of those meshes
+        self._codecs: dict[str, Any] = {}
+        self._codec_of_addr: dict[str, Any] = {}
+        self._lane_addrs: dict[_lane.Lane, str] = {}  # lanes this worker made -> address
         self._listen_paused = 0.0  # (monotonic s) the listener is unwatched until then
         self._accepted: dict[bytes, _lane.Lane] = {}
         self._new_lanes: list[_lane.Lane] = []
@@ -156,30 +161,40 @@ class PeerHost:
         _hosts.add(self)
 
     def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
-                oneway: bool, type: str = "call") -> Request | None:
+                oneway: bool, type: str = "call", mesh: str | None = None) -> Request | None:
         """Send a call (or a message of another ``type``: ``buffer``, see
-        :mod:`monarch_kernel.buffer_ops`) to ``ranks`` (any thread of this worker).
+        :mod:`monarch_kernel.buffer_ops`) to ``ranks`` (any thread of this worker),
+        of this worker's mesh or of the mesh whose key's fingerprint is ``mesh``
+        (signed with that mesh's key: :mod:`monarch_kernel.mesh_keys`).
 
         Raises
         ------
         MeshFailure
             If one of the ranks is known to be dead.
+        MeshError
+            If ``mesh`` is a mesh this worker was not introduced to.
         """
+        codec = self.codec_for(mesh)
         for r in ranks:
             failure = self.dead.get(peers[r])
             if failure is not None:
                 raise failure
-        mid = self.codec.new_id()
+        if codec is not self.codec:
+            for r in ranks:  # (replies from there are checked with that mesh's key)
+                self._codec_of_addr[peers[r]] = codec
+        mid = codec.new_id()
         names: list[str] = []
         # same host (the peers bind the same address as this worker): large buffers go
         # through shared memory (monarch_kernel.shm), given back once every peer answered
         here = _addr_host(self.address)
         local = not oneway and all(_addr_host(peers[r]) == here for r in ranks)
-        frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
-                                   shm_out=names)
+        frames = codec.encode(type, content, id=mid, shm="sender" if local else None,
+                              shm_out=names)
         req = None
         if not oneway:
             req = Request(mid, ranks)
+            if codec is not self.codec:
+                req.mesh = mesh
             if names:
                 req.add_done_callback(lambda r: self.codec.release_shm(
                     names, discard=r.failure is not None))
@@ -188,6 +203,47 @@ class PeerHost:
         for r in ranks:
             self.send_to(peers[r], frames)
         return req
+
+    def codec_for(self, mesh: str | None) -> Any:
+        """The codec that signs for the mesh whose key's fingerprint is ``mesh``
+        (None, or this worker's own: its own codec).
+
+        Raises
+        ------
+        MeshError
+            If no introduction gave this worker that mesh's key.
+        """
+        if mesh is None or mesh == self.codec.fingerprint:
+            return self.codec
+        codec = self._codecs.get(mesh)
+        if codec is None:
+            key = getattr(self.worker, "keyring", {}).get(mesh)
+            if key is None:
+                from .errors import MeshError
+
+                raise MeshError(
+                    "that actor mesh runs on another process mesh than this worker's, one "
+                    "that this worker's program did not spawn (another program's, or one "
+                    "that is stopped); a worker can call the actors of its own program's "
+                    "meshes only. Have the controller relay: return the data to it and call "
+                    "the other actor mesh from there")
+            with self._lanes_lock:
+                codec = self._codecs.get(mesh)
+                if codec is None:
+                    codec = self._codecs[mesh] = self.codec.rekeyed(key)
+        return codec
+
+    def forget(self, mesh: str) -> None:
+        """The mesh whose key's fingerprint is ``mesh`` stopped: fail the calls
+        still waiting on it (any thread)."""
+        self._codecs.pop(mesh, None)
+        failure = MeshFailure("the process mesh of that actor mesh was stopped")
+        with self._lock:
+            waiting = [q for q in self.pending.values() if q.mesh == mesh]
+            for q in waiting:
+                self.pending.pop(q.id, None)
+        for q in waiting:
+            q._fail(failure)
 
     def send_to(self, address: str, frames: list[Any]) -> None:
         """Send signed ``frames`` to the peer at ``address`` (any thread): on its
@@ -237,6 +293,7 @@ class PeerHost:
                 self._lane_to[address] = kept = lane
                 if lane is not None:
                     self._new_lanes.append(lane)
+                    self._lane_addrs[lane] = address  # (its replies' codec: _codec_of_addr)
         if kept is not lane and lane is not None:
             lane.close()
         elif lane is not None:
@@ -248,10 +305,14 @@ class PeerHost:
         and room for the framing of a message of many buffers."""
         return self.codec.max_header + self.codec.max_buffers + (1 << 20)
 
-    def fail_rank(self, rank: int, address: str | None, reason: str) -> None:
-        """Rank ``rank`` (peer ``address``) is gone: fail every call waiting on it,
-        and later calls to that address (any thread)."""
+    def fail_rank(self, rank: int, address: str | None, reason: str,
+                  mesh: str | None = None) -> None:
+        """Rank ``rank`` (peer ``address``) of this worker's mesh, or of the mesh
+        whose key's fingerprint is ``mesh``, is gone: fail every call waiting on
+        it, and later calls to that address (any thread)."""
         failure = MeshFailure(reason, rank=rank)
+        if mesh == self.codec.fingerprint:
+            mesh = None
         if address:
             with self._lanes_lock:  # (a hung process's lane: closed by the I/O thread)
                 lane = self._lane_to.get(address)
@@ -262,7 +323,8 @@ class PeerHost:
         with self._lock:
             if address:
                 self.dead[address] = failure
-            waiting = [q for q in self.pending.values() if q._reply_pending(rank)]
+            waiting = [q for q in self.pending.values()
+                       if q.mesh == mesh and q._reply_pending(rank)]
             for q in waiting:
                 self.pending.pop(q.id, None)
         for q in waiting:
@@ -277,7 +339,7 @@ class PeerHost:
             listen_fd = self.listener[0].fileno()
             poller.register(listen_fd)
         dealers: dict[str, zmq.Socket] = {}
-        socks: set[zmq.Socket] = set()
+        socks: dict[zmq.Socket, str] = {}  # dealer -> the peer address it is connected to
         lanes: dict[int, _lane.Lane] = {}  # fd -> lane (both ways)
         try:
             while True:
@@ -297,8 +359,9 @@ class PeerHost:
                         for frames in drain(self.router, small=2):  # [identity, envelope, ...]
                             self._incoming(frames)
                     elif obj in socks:
+                        codec = self._codec_of_addr.get(socks[obj], self.codec)
                         for frames in drain(obj, small=1):  # [envelope, buffers...]
-                            self._reply(frames)
+                            self._reply(frames, codec)
                     elif obj == listen_fd:
                         self._accept(poller, lanes)
                     else:
@@ -309,7 +372,7 @@ class PeerHost:
             log.exception("the peer I/O thread of rank %d failed", self.rank)
 
     def _forward(self, frames: list[Any], dealers: dict[str, zmq.Socket],
-                 socks: set[zmq.Socket], poller: FdPoller,
+                 socks: dict[zmq.Socket, str], poller: FdPoller,
                  lanes: dict[int, _lane.Lane]) -> None:
         kind = frames[0].bytes
         try:
@@ -335,7 +398,7 @@ class PeerHost:
                     endpoint, _, key = addr.partition(";")[0].partition("|")
                     s = dealers[addr] = connect_dealer(self.ctx, endpoint, self._ident,
                                                        key.encode() or None)
-                    socks.add(s)
+                    socks[s] = addr
                     poller.register(s)
                 send_frames(s, frames[2:], zmq.NOBLOCK)
                 poller.touched(s)
@@ -381,11 +444,13 @@ class PeerHost:
             except Exception as e:  # noqa: BLE001 - over the limit, out of memory: that lane
                 log.warning("rank %d dropped a peer lane: %s", self.rank, e)
                 lane.eof = True
+        codec = self.codec if lane.identity else self._codec_of_addr.get(
+            self._lane_addrs.get(lane, ""), self.codec)
         for frames in messages:
             if lane.identity:
                 self._incoming(frames, lane.identity)
             else:
-                self._reply(frames)
+                self._reply(frames, codec)
         if lane.eof:  # the other process is gone (or closed it)
             poller.unregister(lane.fileno())
             del lanes[lane.fileno()]
@@ -394,6 +459,7 @@ class PeerHost:
                 self._accepted.pop(lane.identity, None)
             else:
                 with self._lanes_lock:  # a later message tries again, else ZeroMQ
+                    self._lane_addrs.pop(lane, None)
                     for addr, other in list(self._lane_to.items()):
                         if other is lane:
                             del self._lane_to[addr]
@@ -429,9 +495,9 @@ class PeerHost:
                 actor_cycles.track(inst, msg.id, c, msg.identity)
             inst.post(("call", msg.id, c, msg.identity))
 
-    def _reply(self, frames: list[Any]) -> None:
+    def _reply(self, frames: list[Any], codec: Any = None) -> None:
         try:
-            msg = self.codec.decode(frames)
+            msg = (codec or self.codec).decode(frames)
         except ProtocolError as e:
             log.warning("rank %d dropped a peer reply: %s", self.rank, e)
             return

@@ -122,6 +122,12 @@ _listening: weakref.WeakSet[Any] = weakref.WeakSet()
 _peer_addrs: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
+def peer_address(ctl: Any, rank: int) -> str | None:
+    """The peer address of rank ``rank`` of ``ctl``'s mesh (None before an actor
+    was spawned there)."""
+    return _peer_addrs.get(ctl, {}).get(rank)
+
+
 def _listen(ctl: Any) -> None:
     """Hear broadcast failures and dead ranks on ``ctl`` (once per controller)."""
     if ctl in _listening:

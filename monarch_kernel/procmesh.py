@@ -307,6 +307,9 @@ class ProcMesh:
         if root._stopped:
             return
         root._stopped = True
+        from . import mesh_keys
+
+        mesh_keys.unregister(root.controller)  # the other meshes' workers forget its key
         root.controller.stopping = True  # exits from here on are "stopped", not "dead"
         live = [r for r, i in root.controller.ranks.items() if i.state not in ("dead", "stopped")]
         # ranks still starting (never said hello) get no request: it would wait for them
@@ -465,6 +468,9 @@ def spawn_procs(
         raise MeshError(f"{n} ranks is more than this controller supports (4096)")
     la = get_launcher(launcher, **(launcher_options or {}))
     ctl = _controller_for(la, bind, heartbeat, on_output, encrypt)
+    from . import mesh_keys
+
+    mesh_keys.register(ctl)  # this program's meshes: their actors may call each other
     mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
     ctl.expect(ranks, local=la.local)

@@ -94,6 +94,7 @@ TYPES = frozenset(
         "ref",  # {op, id, ...}: values kept on the ranks for handles (tensor_store.py)
         "free",  # {ids}: one-way, drop those kept values (tensor_store.py)
         "shm_done",  # {names}: one-way, the worker may reuse these pooled files (a reply's)
+        "keys",  # {add: {fingerprint: key}, drop: [fingerprint]}: other meshes (mesh_keys.py)
         # worker -> worker (peer sockets)
         "buffer",  # {op, id, n, m, ...}: an RDMABuffer read/write/drop (buffer_ops.py)
         # both ways
@@ -239,6 +240,14 @@ class Codec:
         message ids and its own replay window (for a second socket of one
         process, e.g. a worker's peer-to-peer actor socket)."""
         c = Codec(self._key, sender, self.max_header, self.max_buffers)
+        return c
+
+    def rekeyed(self, key: bytes) -> Codec:
+        """A codec that signs and checks with ``key`` (another mesh's: a worker's
+        calls to it, :mod:`monarch_kernel.mesh_keys`), with this one's sender
+        name, limits and shared-memory pool, and a replay window of its own."""
+        c = Codec(key, self.sender, self.max_header, self.max_buffers)
+        c.pool = self.pool
         return c
 
     def new_id(self) -> str:

@@ -96,6 +96,9 @@ class Request:
     def __init__(self, id: str, ranks: Iterable[int]) -> None:
         self.id = id
         self.ranks = list(ranks)
+        #: the fingerprint of the mesh a worker's call went to, when not its own
+        #: (mesh_keys.py); None for the controller's requests and a worker's own mesh
+        self.mesh: str | None = None
         self.replies: dict[int, tuple[str, Any]] = {}
         self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.failure: MeshFailure | None = None

@@ -164,6 +164,8 @@ class Worker(WorkerIO):
         self.telemetry_interval = telemetry.DEFAULT_INTERVAL  # seconds; 0: off
         self.telemetry: telemetry.TelemetryThread | None = None
         self.actors: dict[str, Any] = {}
+        #: keys of the other meshes of this worker's program, by fingerprint (mesh_keys.py)
+        self.keyring: dict[str, bytes] = {}
         self._decoders = {
             n: codecs.getincrementaldecoder("utf-8")(errors="replace")
             for n in ("stdout", "stderr")

@@ -210,6 +210,19 @@ class WorkerIO:
 
             self.codec.release_shm([n for n in msg.content["names"] if NAME_RE.match(n)])
             return
+        if msg.type == "keys":  # other meshes of this program (mesh_keys.py)
+            c = msg.content
+            self.keyring.update(c.get("add") or {})
+            for fp in c.get("drop") or ():
+                self.keyring.pop(fp, None)
+            if c.get("drop"):
+                from . import actor_peers
+
+                host = actor_peers._host
+                if host is not None:
+                    for fp in c["drop"]:
+                        host.forget(fp)
+            return
         if msg.type == "free":  # handles gone on the controller: drop their kept values
             from . import tensor_store
 

@@ -1,19 +1,25 @@
-"""Actor handles across process meshes: an actor calls the actors of a mesh
-it spawned itself; a handle of another program's mesh is refused at once
-with a clear error (its processes check another key: the call could never
-be answered)."""
+"""Actor handles across process meshes (monarch_kernel/mesh_keys.py): the
+actors of two meshes of one program call each other, both ways, over peer
+lanes and over ZeroMQ; a death or a stop on one side fails the other's
+waiting calls; a restarted rank is introduced again; an actor calls the
+actors of a mesh it spawned itself, and those call up; a handle of another
+program's mesh is refused at once with a clear error (its processes check
+another key: the call could never be answered)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, MeshError, endpoint, this_host
+from monarch_kernel.testing import wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
@@ -27,19 +33,111 @@ class Echo(Actor):
     def echo(self, x: int) -> int:
         return x
 
+    @endpoint
+    def ask(self, other, x: int) -> int:
+        """``other``'s echo of ``x`` (a call from this actor to another mesh's)."""
+        return other.echo.call_one(x).get(timeout=30)
+
+    @endpoint
+    def ask_back(self, other, me) -> int:
+        """Calls ``other``'s ask, which calls ``me`` (this mesh's) back: 7 + 1."""
+        return other.ask.call_one(me, 7).get(timeout=30) + 1
+
+    @endpoint
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
+    def wait_on(self, other) -> str:
+        """Call ``other``'s 60 s sleep; how the wait ended."""
+        try:
+            other.sleep.call_one(60).get(timeout=90)
+            return "returned"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("lanes", ["1", "0"], ids=["peer-lanes", "zeromq"])
+def test_two_meshes_of_one_program_call_each_other(lanes, monkeypatch):
+    monkeypatch.setenv("MONARCH_LANES", lanes)
+    a = this_host().spawn_procs(per_host={"procs": 2})
+    b = this_host().spawn_procs(per_host={"procs": 2})
+    try:
+        ea, eb = a.spawn("ea", Echo), b.spawn("eb", Echo)
+        assert ea.ask.call(eb.slice(procs=1), 3).get(timeout=60).values() == [3, 3]
+        assert eb.ask.call(ea.slice(procs=0), 4).get(timeout=60).values() == [4, 4]
+        # B's actor calls A's back from inside the call A made to it
+        got = ea.slice(procs=0).ask_back.call_one(eb.slice(procs=0), ea.slice(procs=1))
+        assert got.get(timeout=60) == 8
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_death_or_a_stop_of_the_other_mesh_fails_the_waiting_call():
+    a = this_host().spawn_procs(per_host={"procs": 1})
+    b = this_host().spawn_procs(per_host={"procs": 2})
+    c = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        ea, eb, ec = a.spawn("ea", Echo), b.spawn("eb", Echo), c.spawn("ec", Echo)
+        pending = ea.wait_on.call_one(eb.slice(procs=1))
+        time.sleep(0.5)  # (the call is there, sleeping)
+        t0 = time.monotonic()
+        os.kill(b.controller.ranks[1].pid, signal.SIGKILL)
+        said = pending.get(timeout=60)
+        assert said.startswith("MeshFailure") and "rank 1" in said, said
+        assert time.monotonic() - t0 < 20
+        # a stop: the waiting call fails, later calls are refused at once
+        pending = ea.wait_on.call_one(ec)
+        time.sleep(0.5)
+        c.stop()
+        said = pending.get(timeout=60)
+        assert said.startswith("MeshFailure") and "stopped" in said, said
+        with pytest.raises(Exception, match="stopped|another process mesh"):
+            ea.ask.call_one(ec, 1).get(timeout=60)
+    finally:
+        a.stop()
+        b.stop()
+        c.stop()
+
+
+def test_a_restarted_rank_is_introduced_again():
+    a = this_host().spawn_procs(per_host={"procs": 1})
+    b = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        ea, eb = a.spawn("ea", Echo), b.spawn("eb", Echo)
+        assert ea.ask.call_one(eb, 1).get(timeout=60) == 1
+        a.restart(0)
+        ea = a.spawn("ea2", Echo)  # (a fresh process: its actors are spawned again)
+        assert ea.ask.call_one(eb, 2).get(timeout=60) == 2
+    finally:
+        a.stop()
+        b.stop()
+
 
 class Parent(Actor):
     @endpoint
-    def spawn_and_call(self) -> list:
-        """Spawn a mesh of this actor's own, call its actors, stop it."""
+    def spawn_and_call(self, up) -> list:
+        """Spawn a mesh of this actor's own, call its actors, have them call ``up``
+        (an actor of this actor's mesh), stop it."""
         from monarch_kernel import spawn_procs
 
         m = spawn_procs(2, telemetry_interval=0)
         try:
             kids = m.spawn("kids", Echo)
-            return kids.echo.call(5).get(timeout=30).values()
+            down = kids.echo.call(5).get(timeout=30).values()
+            return [*down, *kids.ask.call(up, 6).get(timeout=30).values()]
         finally:
             m.stop()
+
+
+def test_an_actor_calls_the_actors_of_a_mesh_it_spawned_and_they_call_up():
+    """(Before, its calls went worker to worker, signed with its own mesh's key,
+    and the child mesh dropped them: a hang.)"""
+    with this_host().spawn_procs(per_host={"procs": 2}) as pm:
+        parent = pm.slice(procs=0).spawn("parent", Parent)
+        up = pm.slice(procs=1).spawn("up", Echo)
+        assert parent.spawn_and_call.call_one(up).get(timeout=120) == [5, 5, 6, 6]
 
 
 class Caller(Actor):
@@ -49,14 +147,6 @@ class Caller(Actor):
             return repr(other.echo.call(1).get(timeout=30).values())
         except Exception as e:  # noqa: BLE001 - reported to the test
             return f"{type(e).__name__}: {e}"
-
-
-def test_an_actor_calls_the_actors_of_a_mesh_it_spawned():
-    """(Before, its calls went worker to worker, signed with its own mesh's key,
-    and the child mesh dropped them: a hang.)"""
-    with this_host().spawn_procs(per_host={"procs": 1}) as pm:
-        parent = pm.spawn("parent", Parent)
-        assert parent.spawn_and_call.call_one().get(timeout=120) == [5, 5]
 
 
 def test_a_handle_of_another_programs_mesh_is_refused_at_once():
@@ -81,10 +171,11 @@ def test_a_handle_of_another_programs_mesh_is_refused_at_once():
         with this_host().spawn_procs(per_host={"procs": 1}) as pm:
             caller = pm.spawn("caller", Caller)
             said = caller.call.call_one(theirs).get(timeout=30)
-            assert said.startswith("MeshError") and "another process mesh" in said, said
-            with pytest.raises(MeshError, match="another process mesh|neither"):
+            assert said.startswith("MeshError") and "did not spawn" in said, said
+            with pytest.raises(MeshError, match="neither the controller"):
                 theirs.echo.call(1)  # nor can this controller call it
     finally:
         other.stdin.write("\n")
         other.stdin.flush()
         other.wait(timeout=60)
+    wait_for(lambda: other.poll() is not None, 10, what="the other program's exit")

@@ -1,0 +1,129 @@
+"""Introductions between the meshes of one program, so that their actors can
+call each other worker to worker (PyTorch Monarch's generators on one process
+mesh calling trainers on another).
+
+Each mesh signs its messages with a random key of its own (issue 9), and a
+worker can sign a call for another mesh's actor only with that mesh's key.
+The meshes that one process controls (a kernel's, a script's) are introduced
+to each other here:
+
+* each rank, as it says hello (at spawn and at every restart), gets a
+  ``keys`` message with the keys of this process's other live meshes;
+* the ranks of those meshes get a new mesh's key as it is made, and are told
+  to drop it when it stops (their calls waiting on it then fail);
+* a rank of one mesh that dies fails the calls that other meshes' workers
+  wait on it, as its own mesh's do (``PeerHost.fail_rank`` with the mesh's
+  fingerprint);
+* in a worker that spawns meshes of its own (an actor's), its own mesh's key
+  and key ring are handed down, so that the child mesh's actors can call up.
+
+Keys travel only in signed control messages (encrypted beyond loopback),
+never in actor handles, which carry a key's fingerprint
+(``Codec.fingerprint``) and nothing from which the key could be learned. A
+handle of a mesh that no introduction covered (another program's) is
+refused at once with a :class:`~monarch_kernel.errors.MeshError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from typing import Any
+
+log = logging.getLogger("monarch_kernel.mesh_keys")
+
+__all__ = ["register", "ring_for", "unregister"]
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live controllers
+_lock = threading.Lock()
+
+
+def _current_worker() -> Any:
+    mod = sys.modules.get("monarch_kernel.worker")
+    return getattr(mod, "current", None) if mod is not None else None
+
+
+def _others(ctl: Any) -> list[Any]:
+    with _lock:
+        return [c for c in _live if c is not ctl and not c.stopping and not c._closed.is_set()]
+
+
+def _live_ranks(ctl: Any) -> list[int]:
+    return [r for r, i in list(ctl.ranks.items()) if i.state not in ("dead", "stopped",
+                                                                      "starting")]
+
+
+def ring_for(ctl: Any) -> dict[str, bytes]:
+    """The keys the ranks of ``ctl``'s mesh may sign calls with, by fingerprint:
+    this process's other live meshes', and in a worker its own mesh's and
+    those it was introduced to."""
+    ring = {c.codec.fingerprint: c.key for c in _others(ctl)}
+    w = _current_worker()
+    if w is not None:
+        ring.update(getattr(w, "keyring", {}))
+        ring[w.codec.fingerprint] = w.codec._key
+    ring.pop(ctl.codec.fingerprint, None)
+    return ring
+
+
+def register(ctl: Any) -> None:
+    """Introduce the new controller ``ctl``'s mesh to this process's other meshes,
+    and have its ranks introduced to them as each says hello."""
+    others = _others(ctl)
+    with _lock:
+        _live.add(ctl)
+    ref = weakref.ref(ctl)
+
+    def listener(kind: str, rank: int, payload: Any) -> None:
+        c = ref()
+        if c is None:
+            return
+        if kind == "hello":  # (spawned or restarted: a fresh process knows no keys)
+            ring = ring_for(c)
+            if ring:
+                c.notify([rank], "keys", {"add": ring})
+        elif kind == "dead" and not c.stopping:
+            _pass_on_death(c, rank, payload)
+
+    ctl.listeners.append(listener)
+    for other in others:  # (before any handle of the new mesh can exist)
+        _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
+
+
+def unregister(ctl: Any) -> None:
+    """``ctl``'s mesh stops: the other meshes' workers forget its key, and their
+    calls still waiting on it fail."""
+    with _lock:
+        was = ctl in _live
+        _live.discard(ctl)
+    if was:
+        for other in _others(ctl):
+            _tell(other, {"drop": [ctl.codec.fingerprint]})
+
+
+def _tell(ctl: Any, content: dict[str, Any]) -> None:
+    ranks = _live_ranks(ctl)
+    if ranks:
+        try:
+            ctl.notify(ranks, "keys", content)
+        except Exception as e:  # noqa: BLE001 - that mesh is closing
+            log.debug("cannot pass mesh keys on: %s", e)
+
+
+def _pass_on_death(ctl: Any, rank: int, failure: Any) -> None:
+    from .actor_spawn import peer_address
+
+    addr = peer_address(ctl, rank)
+    if addr is None:  # (no actor ever ran there: no other mesh can be waiting on it)
+        return
+    content = {"sys": "dead", "rank": rank, "addr": addr, "reason": str(failure),
+               "mesh": ctl.codec.fingerprint}
+    for other in _others(ctl):
+        ranks = _live_ranks(other)
+        if ranks:
+            try:
+                other.notify(ranks, "call", content)
+            except Exception as e:  # noqa: BLE001 - that mesh is closing
+                log.debug("cannot pass a death on: %s", e)
