@@ -299,8 +299,8 @@ class _ActorInstance:
                     status, out = "ok", Packed.pack(value)
             except SerializationError as e:
                 status, out = "error", _failure(w, e, with_traceback=False)
-                out["message"] = (
-                    f"rank {w.rank}: {type(self.obj).__qualname__}.{method} returned a "
+                out["message"] = (  # (the rank is named where the error is shown)
+                    f"{type(self.obj).__qualname__}.{method} returned a "
                     f"{type(value).__qualname__}, which cannot be sent back "
                     f"({e.__cause__ or e}); return something picklable"
                 )

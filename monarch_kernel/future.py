@@ -184,7 +184,14 @@ class Future(Generic[T]):
             If the endpoint raised; also an instance of the original type.
         MeshFailure
             If the actor was stopped or its process died.
+        ValueError
+            If ``timeout`` is negative (or NaN).
+        TypeError
+            If ``timeout`` is not a number.
         """
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout is in seconds, >= 0, or None to wait as long as it "
+                             f"takes; got {timeout!r}")
         ev = self._event
         if not ev.is_set():
             watch = self._guard() if self._guard is not None else None

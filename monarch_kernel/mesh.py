@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import itertools
 import math
+import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -34,10 +35,18 @@ class Shape:
     Raises
     ------
     MeshError
-        For a non-positive size or a rank list of the wrong length.
+        For a name that is not a string, a size that is not a whole number
+        >= 1 (``"4"``, ``2.0`` and ``True`` are refused), or a rank list of
+        the wrong length.
     """
 
     def __init__(self, dims: Mapping[str, int], ranks: list[int] | None = None) -> None:
+        for name, v in dims.items():
+            if not isinstance(name, str):
+                raise MeshError(f"dimension names are strings, like {{'procs': 4}}; got {name!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise MeshError(f"dimension {name!r} has size {v!r} (a {type(v).__name__}); "
+                                "sizes are whole numbers >= 1, like {'procs': 4}")
         self.labels: tuple[str, ...] = tuple(dims)
         self.sizes: tuple[int, ...] = tuple(int(v) for v in dims.values())
         for name, size in zip(self.labels, self.sizes):

@@ -60,3 +60,17 @@ def test_restart_takes_a_rank_spec_as_the_magic_does() -> None:
         assert list(m.collect(m.run("rank"), timeout=30).values()) == [0, 1]
     finally:
         m.stop()
+
+
+@pytest.mark.parametrize("size", ["4", 2.0, True, None])
+def test_a_size_that_is_not_a_whole_number_is_refused(size):
+    with pytest.raises(MeshError, match="whole numbers >= 1"):
+        Shape({"hosts": 1, "procs": size})
+
+
+def test_a_negative_timeout_is_refused_clearly():
+    from monarch_kernel.future import Future
+
+    f = Future.failed(RuntimeError("x"))
+    with pytest.raises(ValueError, match="timeout is in seconds"):
+        f.get(timeout=-1)
