@@ -371,8 +371,12 @@ def dispatch_call(worker: Any, msg: Any) -> None:
     c = msg.content
     if "sys" in c:
         host = actor_peers._host
-        if c["sys"] == "dead" and host is not None:
-            host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
+        if c["sys"] == "dead":
+            if host is not None:
+                host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
+            from . import mesh_keys  # meshes this worker spawned wait on it too, maybe
+
+            mesh_keys.pass_down({**c, "mesh": c.get("mesh") or worker.codec.fingerprint})
         return
     inst = worker.actors.get(c["a"])
     if inst is None:

@@ -236,7 +236,11 @@ class PeerHost:
     def forget(self, mesh: str) -> None:
         """The mesh whose key's fingerprint is ``mesh`` stopped: fail the calls
         still waiting on it (any thread)."""
-        self._codecs.pop(mesh, None)
+        codec = self._codecs.pop(mesh, None)
+        if codec is not None:  # (the addresses of that mesh: their codec goes with it)
+            for addr, c in list(self._codec_of_addr.items()):
+                if c is codec:
+                    self._codec_of_addr.pop(addr, None)
         failure = MeshFailure("the process mesh of that actor mesh was stopped")
         with self._lock:
             waiting = [q for q in self.pending.values() if q.mesh == mesh]
@@ -313,6 +317,8 @@ class PeerHost:
         failure = MeshFailure(reason, rank=rank)
         if mesh == self.codec.fingerprint:
             mesh = None
+        if mesh is not None and address:  # (no reply comes from there any more)
+            self._codec_of_addr.pop(address, None)
         if address:
             with self._lanes_lock:  # (a hung process's lane: closed by the I/O thread)
                 lane = self._lane_to.get(address)

@@ -5,23 +5,29 @@ mesh calling trainers on another).
 Each mesh signs its messages with a random key of its own (issue 9), and a
 worker can sign a call for another mesh's actor only with that mesh's key.
 The meshes that one process controls (a kernel's, a script's) are introduced
-to each other here:
+to each other here, in signed ``keys`` control messages:
 
-* each rank, as it says hello (at spawn and at every restart), gets a
-  ``keys`` message with the keys of this process's other live meshes;
-* the ranks of those meshes get a new mesh's key as it is made, and are told
-  to drop it when it stops (their calls waiting on it then fail);
+* the ranks of a mesh get the keys of this process's other live meshes once
+  they are up (:func:`introduce`, called by the thread that spawned or
+  restarted them, after their hello and before it sends them anything else);
+* the ranks of the other meshes get a new mesh's key as it is made, and are
+  told to drop it when it stops (their calls waiting on it then fail; a
+  worker ignores a key that arrives after its drop);
 * a rank of one mesh that dies fails the calls that other meshes' workers
   wait on it, as its own mesh's do (``PeerHost.fail_rank`` with the mesh's
   fingerprint);
 * in a worker that spawns meshes of its own (an actor's), its own mesh's key
-  and key ring are handed down, so that the child mesh's actors can call up.
+  and key ring are handed down, and what the worker later learns (keys,
+  drops, deaths) is passed down to them (:func:`pass_down`), so that the
+  child mesh's actors can call up.
 
-Keys travel only in signed control messages (encrypted beyond loopback),
-never in actor handles, which carry a key's fingerprint
-(``Codec.fingerprint``) and nothing from which the key could be learned. A
-handle of a mesh that no introduction covered (another program's) is
-refused at once with a :class:`~monarch_kernel.errors.MeshError`.
+Keys travel only in signed control messages, and only to meshes whose
+control channel is encrypted (CurveZMQ) or loopback: a mesh spawned beyond
+loopback with ``encrypt=False`` is not introduced (its actors cannot call
+the others', nor theirs it: :class:`~monarch_kernel.errors.MeshError`).
+Actor handles carry a key's fingerprint (``Codec.fingerprint``), from which
+the key cannot be learned. A handle of a mesh that no introduction covered
+(another program's) is refused at once with a ``MeshError``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 
 log = logging.getLogger("monarch_kernel.mesh_keys")
 
-__all__ = ["register", "ring_for", "unregister"]
+__all__ = ["introduce", "pass_down", "register", "ring_for", "unregister"]
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live controllers
 _lock = threading.Lock()
@@ -50,6 +56,16 @@ def _others(ctl: Any) -> list[Any]:
         return [c for c in _live if c is not ctl and not c.stopping and not c._closed.is_set()]
 
 
+def _secure(ctl: Any) -> bool:
+    """Whether keys may travel on ``ctl``'s control channel: encrypted, or loopback."""
+    from .transport import is_loopback
+
+    if getattr(ctl, "curve_public_key", None) is not None:
+        return True
+    host = ctl.address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return is_loopback(host)
+
+
 def _live_ranks(ctl: Any) -> list[int]:
     return [r for r, i in list(ctl.ranks.items()) if i.state not in ("dead", "stopped",
                                                                       "starting")]
@@ -58,8 +74,10 @@ def _live_ranks(ctl: Any) -> list[int]:
 def ring_for(ctl: Any) -> dict[str, bytes]:
     """The keys the ranks of ``ctl``'s mesh may sign calls with, by fingerprint:
     this process's other live meshes', and in a worker its own mesh's and
-    those it was introduced to."""
-    ring = {c.codec.fingerprint: c.key for c in _others(ctl)}
+    those it was introduced to (none when ``ctl``'s channel is not secure)."""
+    if not _secure(ctl):
+        return {}
+    ring = {c.codec.fingerprint: c.key for c in _others(ctl) if _secure(c)}
     w = _current_worker()
     if w is not None:
         ring.update(getattr(w, "keyring", {}))
@@ -69,8 +87,8 @@ def ring_for(ctl: Any) -> dict[str, bytes]:
 
 
 def register(ctl: Any) -> None:
-    """Introduce the new controller ``ctl``'s mesh to this process's other meshes,
-    and have its ranks introduced to them as each says hello."""
+    """Introduce the new controller ``ctl``'s mesh to this process's other meshes
+    (before any handle of it can exist), and pass its ranks' deaths on to them."""
     others = _others(ctl)
     with _lock:
         _live.add(ctl)
@@ -78,18 +96,45 @@ def register(ctl: Any) -> None:
 
     def listener(kind: str, rank: int, payload: Any) -> None:
         c = ref()
-        if c is None:
-            return
-        if kind == "hello":  # (spawned or restarted: a fresh process knows no keys)
-            ring = ring_for(c)
-            if ring:
-                c.notify([rank], "keys", {"add": ring})
-        elif kind == "dead" and not c.stopping:
+        if c is not None and kind == "dead" and not c.stopping:
             _pass_on_death(c, rank, payload)
 
     ctl.listeners.append(listener)
-    for other in others:  # (before any handle of the new mesh can exist)
-        _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
+    if _secure(ctl):
+        for other in others:
+            _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
+
+
+def introduce(ctl: Any, ranks: list[int]) -> None:
+    """Give ``ranks`` of ``ctl``'s mesh, just up (spawned or restarted: a fresh
+    process knows no other mesh), the keys of this program's other meshes.
+    Called by the thread that started them, after their hello and before it
+    sends them anything else, so no call can reach them first."""
+    ring = ring_for(ctl)
+    live = [r for r in ranks if r in _live_ranks(ctl)]
+    if ring and live:
+        try:
+            ctl.notify(live, "keys", {"add": ring})
+        except Exception as e:  # noqa: BLE001 - the mesh is closing
+            log.debug("cannot introduce ranks %s: %s", live, e)
+
+
+def pass_down(content: dict[str, Any]) -> None:
+    """In a worker: what it learned from its controller (``keys`` added or
+    dropped, or a death in another mesh, ``content`` of a ``call`` with
+    ``sys``) goes on to the meshes this worker spawned itself."""
+    with _lock:
+        mine = [c for c in _live if not c.stopping and not c._closed.is_set()]
+    for c in mine:
+        if "sys" in content:
+            ranks = _live_ranks(c)
+            if ranks:
+                try:
+                    c.notify(ranks, "call", content)
+                except Exception as e:  # noqa: BLE001 - that mesh is closing
+                    log.debug("cannot pass a death down: %s", e)
+        elif _secure(c):
+            _tell(c, content)
 
 
 def unregister(ctl: Any) -> None:

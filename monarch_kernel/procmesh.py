@@ -489,6 +489,7 @@ def spawn_procs(
         la.launch(spec)
         la.wait_started(timeout)
         ctl.wait_ready(ranks, timeout)
+        mesh_keys.introduce(ctl, ranks)  # (before anything else reaches them)
         if mesh.dist:
             mesh.setup_dist(timeout)
     except BaseException:

@@ -107,6 +107,9 @@ def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
     spec = dataclasses.replace(root.spec, ranks=list(ranks))
     la.launch(spec)
     ctl.wait_ready(ranks, timeout)
+    from . import mesh_keys
+
+    mesh_keys.introduce(ctl, ranks)  # a fresh process knows no other mesh's key
     if root.dist:
         root.setup_dist(timeout)
     return ranks

@@ -166,6 +166,7 @@ class Worker(WorkerIO):
         self.actors: dict[str, Any] = {}
         #: keys of the other meshes of this worker's program, by fingerprint (mesh_keys.py)
         self.keyring: dict[str, bytes] = {}
+        self.dropped_keys: set[str] = set()  # fingerprints of meshes that stopped
         self._decoders = {
             n: codecs.getincrementaldecoder("utf-8")(errors="replace")
             for n in ("stdout", "stderr")

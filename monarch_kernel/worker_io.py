@@ -211,17 +211,19 @@ class WorkerIO:
             self.codec.release_shm([n for n in msg.content["names"] if NAME_RE.match(n)])
             return
         if msg.type == "keys":  # other meshes of this program (mesh_keys.py)
-            c = msg.content
-            self.keyring.update(c.get("add") or {})
-            for fp in c.get("drop") or ():
-                self.keyring.pop(fp, None)
-            if c.get("drop"):
-                from . import actor_peers
+            from . import actor_peers, mesh_keys
 
-                host = actor_peers._host
+            c = msg.content
+            dropped = list(c.get("drop") or ())
+            self.dropped_keys.update(dropped)
+            self.keyring.update({fp: k for fp, k in (c.get("add") or {}).items()
+                                 if fp not in self.dropped_keys})  # (a late add: ignored)
+            host = actor_peers._host
+            for fp in dropped:
+                self.keyring.pop(fp, None)
                 if host is not None:
-                    for fp in c["drop"]:
-                        host.forget(fp)
+                    host.forget(fp)
+            mesh_keys.pass_down(c)  # to meshes this worker spawned, if any
             return
         if msg.type == "free":  # handles gone on the controller: drop their kept values
             from . import tensor_store

@@ -179,3 +179,74 @@ def test_a_handle_of_another_programs_mesh_is_refused_at_once():
         other.stdin.flush()
         other.wait(timeout=60)
     wait_for(lambda: other.poll() is not None, 10, what="the other program's exit")
+
+
+class Spawner(Actor):
+    """Spawns a mesh of its own whose actor waits on a call up to this actor's mesh."""
+
+    def __init__(self) -> None:
+        self.m = self.fut = None
+
+    @endpoint
+    def start(self, up) -> str:
+        from monarch_kernel import spawn_procs
+
+        self.m = spawn_procs(1, telemetry_interval=0)
+        kid = self.m.spawn("kid", Echo)
+        self.fut = kid.wait_on.call_one(up)
+        return "started"
+
+    @endpoint
+    def result(self) -> str:
+        try:
+            return self.fut.get(timeout=90)
+        finally:
+            self.m.stop()
+
+
+def test_a_death_up_there_fails_a_sub_meshs_waiting_call_at_once():
+    """The spawning worker passes what it learns (deaths, keys, stops) down to
+    the meshes it spawned: the kid's call up fails when its callee dies."""
+    with this_host().spawn_procs(per_host={"procs": 2}) as pm:
+        spawner = pm.slice(procs=0).spawn("spawner", Spawner)
+        up = pm.slice(procs=1).spawn("up", Echo)
+        assert spawner.start.call_one(up).get(timeout=60) == "started"
+        time.sleep(1.0)  # (the kid's call is up there, sleeping)
+        os.kill(pm.controller.ranks[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        said = spawner.result.call_one().get(timeout=120)
+        assert said.startswith("MeshFailure") and "rank 1" in said, said
+        assert time.monotonic() - t0 < 20
+
+
+class Keys(Actor):
+    @endpoint
+    def held(self) -> dict:
+        """What this worker keeps for other meshes."""
+        from monarch_kernel import actor_peers, worker
+
+        h = actor_peers._host
+        return {"keyring": len(worker.current.keyring),
+                "codecs": len(h._codecs) if h else 0,
+                "codec_of_addr": len(h._codec_of_addr) if h else 0}
+
+
+def test_a_stopped_meshs_key_and_codecs_are_let_go():
+    a = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        ka = a.spawn("ka", Keys)
+        ea = a.spawn("ea", Echo)
+        for _ in range(3):  # meshes come, are called, and go
+            b = this_host().spawn_procs(per_host={"procs": 2})
+            try:
+                eb = b.spawn("eb", Echo)
+                assert ea.ask.call_one(eb.slice(procs=1), 2).get(timeout=60) == 2
+                assert ka.held.call_one().get(timeout=30) == {"keyring": 1, "codecs": 1,
+                                                              "codec_of_addr": 1}
+            finally:
+                b.stop()
+            wait_for(lambda: ka.held.call_one().get(timeout=30)
+                     == {"keyring": 0, "codecs": 0, "codec_of_addr": 0}, 10,
+                     what="the stopped mesh's key and codecs let go")
+    finally:
+        a.stop()
