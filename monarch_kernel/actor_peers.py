@@ -8,10 +8,11 @@ with the mesh key like every other message
 through an :class:`~monarch_kernel.transport.Outbox`. Calls it receives go to
 the actors' queues (:mod:`monarch_kernel.actor_host`).
 
-**Same-host peers talk over peer lanes.** A worker also listens on a Unix
-socket in Linux's abstract namespace (``@monarch-peer-<pid>-<random>``, gone
-with the process; connections from other users are refused, checked with
-``SO_PEERCRED``), named in its peer address after a ``;``. A caller that
+**Same-host peers talk over peer lanes** (:mod:`monarch_kernel.peer_lanes`).
+A worker also listens on a Unix socket in Linux's abstract namespace
+(``@monarch-peer-<pid>-<random>``, gone with the process; connections from
+other users are refused, checked with ``SO_PEERCRED``), named in its peer
+address after a ``;``. A caller that
 can connect to it (same host and network namespace) sends its calls there
 on a :class:`~monarch_kernel.lane.Lane`, from its own thread, and the
 callee's actor thread writes the reply on the same lane: no ZeroMQ I/O
@@ -27,13 +28,10 @@ in neither an endpoint nor the Z85 alphabet of a key).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import secrets
 import socket
-import struct
-import sys
 import threading
 import time
 import weakref
@@ -41,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from . import actor_cycles
+from . import actor_cycles, peer_lanes
 from . import lane as _lane
 from . import shm as _shm
 from .controller import Request
@@ -129,7 +127,7 @@ class PeerHost:
         if getattr(worker, "curve_server_key", None) is not None:  # an encrypted mesh
             public, secret = zmq.curve_keypair()
         self.router, address = bind_router(self.ctx, _bind_host(worker.address), secret)
-        self.listener = _listen() if _peer_lanes_enabled() else None
+        self.listener = peer_lanes.listen() if peer_lanes.enabled() else None
         # callers need the public key to connect: it travels with the address
         self.address = (address + ("|" + public.decode() if public else "")
                         + (";" + self.listener[1] if self.listener else ""))
@@ -269,7 +267,7 @@ class PeerHost:
     def reply_to(self, route: list[bytes], frames: list[Any]) -> None:
         """Send signed ``frames`` back where the message that came by ``route``
         came from (any thread): its peer lane, or the ROUTER's identity."""
-        if len(route) == 1 and route[0].startswith(_LANE_IDENT):
+        if len(route) == 1 and route[0].startswith(peer_lanes.LANE_IDENT):
             lane = self._accepted.get(route[0])
             if lane is not None:
                 try:
@@ -290,7 +288,7 @@ class PeerHost:
         lane = None
         if (name and self.listener is not None
                 and _addr_host(address) == _addr_host(self.address)):
-            lane = _dial(name, f"peer lane to {address}", self._limit())
+            lane = peer_lanes.dial(name, f"peer lane to {address}", self._limit())
         with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
             kept = self._lane_to.get(address, False)
             if kept is False:
@@ -423,16 +421,16 @@ class PeerHost:
             except OSError as e:  # out of fds, say: the connection waits in the backlog,
                 # so the listener, level-triggered, would be ready again at once
                 log.warning("rank %d cannot accept a peer lane (%s); trying again in "
-                            "%.1f s", self.rank, e, ACCEPT_RETRY_S)
+                            "%.1f s", self.rank, e, peer_lanes.ACCEPT_RETRY_S)
                 poller.unregister(self.listener[0].fileno())
-                self._listen_paused = time.monotonic() + ACCEPT_RETRY_S
+                self._listen_paused = time.monotonic() + peer_lanes.ACCEPT_RETRY_S
                 return
-            if _peer_uid(sock) != os.getuid():  # another user's process
+            if peer_lanes.peer_uid(sock) != os.getuid():  # another user's process
                 log.warning("rank %d refused a peer lane from another user", self.rank)
                 sock.close()
                 continue
-            _buffers(sock)
-            ident = _LANE_IDENT + str(next(_accepted_ids)).encode()
+            peer_lanes.set_buffers(sock)
+            ident = peer_lanes.LANE_IDENT + str(next(peer_lanes.accepted_ids)).encode()
             lane = _lane.Lane(sock, f"peer lane {ident!r}", identity=ident,
                               limit=self._limit())
             self._accepted[ident] = lane
@@ -524,85 +522,6 @@ class PeerHost:
             req._finish()  # completes the caller's future (outside the lock)
 
 
-#: seconds the lane listener is left unwatched after an accept failed (out of fds)
-ACCEPT_RETRY_S = 0.5
-#: seconds a caller waits for a peer's lane listener to take its connection
-CONNECT_TIMEOUT_S = 1.0
-
-#: the routing identity of a peer lane's messages starts with this (a ZeroMQ
-#: identity that a worker sets never starts with a zero byte)
-_LANE_IDENT = b"\0lane-"
-_accepted_ids = itertools.count()
-_PEERCRED = struct.Struct("3i")  # (pid, uid, gid) of SO_PEERCRED
-
-
-def _peer_lanes_enabled() -> bool:
-    """Whether this worker listens for peer lanes: on Linux (abstract socket
-    names), unless ``MONARCH_LANES=0``."""
-    if not sys.platform.startswith("linux") or not hasattr(socket, "SO_PEERCRED"):
-        return False
-    try:
-        return _lane.lanes_enabled()
-    except ValueError as e:  # (the controller refuses such a value before it spawns)
-        log.warning("%s: peer lanes off", e)
-        return False
-
-
-def _listen() -> tuple[socket.socket, str] | None:
-    """A listening Unix socket in the abstract namespace and its name; None if
-    one cannot be made (peers use ZeroMQ then)."""
-    name = f"monarch-peer-{os.getpid()}-{secrets.token_hex(8)}"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind("\0" + name)
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError as e:
-        log.info("no peer lane listener (%s): peers use ZeroMQ", e)
-        sock.close()
-        return None
-    return sock, name
-
-
-def _peer_cred(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end of a Unix socket ((-1, -1) if unknown)."""
-    try:
-        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        return pid, uid
-    except OSError:
-        return -1, -1
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    return _peer_cred(sock)[1]
-
-
-def _dial(name: str, label: str, limit: int) -> _lane.Lane | None:
-    """A lane to the listener ``name`` (``monarch-peer-PID-HEX``) if the process
-    listening there is PID and of this user; else None."""
-    try:
-        pid = int(name.split("-")[2])
-    except (IndexError, ValueError):
-        return None
-    sock = None
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect("\0" + name)
-        if _peer_cred(sock) != (pid, os.getuid()):  # another process took the name
-            log.warning("refused %s: the listener is not the peer's process", label)
-            sock.close()
-            return None
-        _buffers(sock)
-        return _lane.Lane(sock, label, limit=limit)
-    except OSError as e:  # not on this host (or network namespace), out of fds, ...
-        log.debug("no %s (%s): ZeroMQ it is", label, e)
-        if sock is not None:
-            sock.close()
-        return None
-
-
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader's worker) does not keep the lane listener:
     the name would outlive the worker, taking connections nobody reads."""
@@ -615,14 +534,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _buffers(sock: socket.socket) -> None:
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, _lane.SOCKET_BUFFER)
-        except OSError:
-            pass
 
 
 def _addr_host(address: str) -> str:

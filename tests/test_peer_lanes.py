@@ -53,7 +53,7 @@ def test_a_listener_that_is_not_the_peers_process_is_refused():
     lane name is the peer (the pid in the name) and of this user; else it
     keeps ZeroMQ for that address."""
     out = _run("""
-        from monarch_kernel.actor_peers import _dial
+        from monarch_kernel.peer_lanes import dial as _dial
         h = make_host()
         # a listener of this process under a name that claims another pid
         fake = f"monarch-peer-{os.getpid() + 1}-00112233aabbccdd"
