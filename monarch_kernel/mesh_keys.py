@@ -127,12 +127,7 @@ def pass_down(content: dict[str, Any]) -> None:
         mine = [c for c in _live if not c.stopping and not c._closed.is_set()]
     for c in mine:
         if "sys" in content:
-            ranks = _live_ranks(c)
-            if ranks:
-                try:
-                    c.notify(ranks, "call", content)
-                except Exception as e:  # noqa: BLE001 - that mesh is closing
-                    log.debug("cannot pass a death down: %s", e)
+            _tell(c, content, "call")
         elif _secure(c):
             _tell(c, content)
 
@@ -148,13 +143,14 @@ def unregister(ctl: Any) -> None:
             _tell(other, {"drop": [ctl.codec.fingerprint]})
 
 
-def _tell(ctl: Any, content: dict[str, Any]) -> None:
+def _tell(ctl: Any, content: dict[str, Any], type: str = "keys") -> None:
+    """A one-way ``type`` message to the live ranks of ``ctl``'s mesh."""
     ranks = _live_ranks(ctl)
     if ranks:
         try:
-            ctl.notify(ranks, "keys", content)
+            ctl.notify(ranks, type, content)
         except Exception as e:  # noqa: BLE001 - that mesh is closing
-            log.debug("cannot pass mesh keys on: %s", e)
+            log.debug("cannot pass %s on: %s", type, e)
 
 
 def _pass_on_death(ctl: Any, rank: int, failure: Any) -> None:
@@ -166,9 +162,4 @@ def _pass_on_death(ctl: Any, rank: int, failure: Any) -> None:
     content = {"sys": "dead", "rank": rank, "addr": addr, "reason": str(failure),
                "mesh": ctl.codec.fingerprint}
     for other in _others(ctl):
-        ranks = _live_ranks(other)
-        if ranks:
-            try:
-                other.notify(ranks, "call", content)
-            except Exception as e:  # noqa: BLE001 - that mesh is closing
-                log.debug("cannot pass a death on: %s", e)
+        _tell(other, content, "call")
