@@ -258,10 +258,13 @@ class RDMABuffer:
 
     # ---------------------------------------------------------------- plumbing
     def _worker_of_mesh(self) -> Any:
+        """This worker, if it may reach the owner: a rank of the owner's mesh, or of
+        another mesh of its program (:mod:`monarch_kernel.mesh_keys`)."""
         w = _worker()
-        if _fingerprint(w) != self._mesh:
-            raise MeshError(f"{self!r} was registered on a rank of another mesh: a buffer "
-                            "can be read and written by the ranks of its own mesh only")
+        if _fingerprint(w) != self._mesh and self._mesh not in getattr(w, "keyring", {}):
+            raise MeshError(f"{self!r} was registered on a rank of another program's mesh "
+                            "(or of one that is stopped): a buffer can be read and written "
+                            "by the ranks of its own program's meshes only")
         return w
 
     def _is_owner(self, w: Any) -> bool:

@@ -144,17 +144,49 @@ def test_in_band_limit_is_a_clear_error(edges) -> None:
     assert e.slice(procs=1).read.call_one(buf, "band").get(timeout=30) == "ok"
 
 
-def test_a_handle_of_another_mesh_is_refused_at_once(edges) -> None:
+def test_another_mesh_of_the_program_reads_a_buffer_another_program_cannot(edges) -> None:
+    """The ranks of another mesh of this program read a buffer (shared memory and
+    in-band, signed with the owner mesh's key: monarch_kernel.mesh_keys); a
+    buffer of a stopped mesh, or of another program's, is refused at once."""
+    import subprocess
+    import textwrap
+
     _, e = edges
     buf = e.slice(procs=0).register.call_one("c", MiB).get(timeout=30)
     other = spawn_procs(2)
     try:
         o = other.spawn("edge", Edge)
-        for r in (0, 1):  # rank 0 there is not the owner, rank 1 cannot reach it
-            msg = o.slice(procs=r).read.call_one(buf).get(timeout=30)
-            assert msg.startswith("MeshError") and "another mesh" in msg, msg
+        for r in (0, 1):
+            for route in (None, "band"):
+                assert o.slice(procs=r).read.call_one(buf, route).get(timeout=30) == "ok"
+        theirs_stopped = o.slice(procs=0).register.call_one("d", MiB).get(timeout=30)
     finally:
         other.stop()
+    msg = e.slice(procs=1).read.call_one(theirs_stopped).get(timeout=30)
+    assert msg.startswith("MeshError") and "stopped" in msg, msg
+    tests = os.path.dirname(os.path.abspath(__file__))
+    prog = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, cloudpickle
+            sys.path.insert(0, sys.argv[1])
+            import test_buffer_edges as t
+            from monarch_kernel import spawn_procs
+            with spawn_procs(1) as pm:
+                buf = pm.spawn("edge", t.Edge).register.call_one("x", 1 << 20).get(timeout=30)
+                print(cloudpickle.dumps(buf).hex(), flush=True)
+                sys.stdin.readline()  # until the test is done
+        """), tests], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=os.path.dirname(tests))
+    try:
+        line = prog.stdout.readline()
+        assert line.strip(), "the other program printed no buffer handle"
+        theirs = cloudpickle.loads(bytes.fromhex(line.strip()))
+        msg = e.slice(procs=1).read.call_one(theirs).get(timeout=30)
+        assert msg.startswith("MeshError") and "another program" in msg, msg
+    finally:
+        prog.stdin.write("\n")
+        prog.stdin.flush()
+        prog.wait(timeout=60)
 
 
 
