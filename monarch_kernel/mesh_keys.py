@@ -102,7 +102,8 @@ def register(ctl: Any) -> None:
     ctl.listeners.append(listener)
     if _secure(ctl):
         for other in others:
-            _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
+            if _secure(other):  # (never over another mesh's unencrypted network link)
+                _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
 
 
 def introduce(ctl: Any, ranks: list[int]) -> None:
