@@ -307,15 +307,10 @@ class ActorMesh(Generic[A]):
         if self._record.procmesh is not None:
             return None
         w = _current_worker()
-        if (w is not None and self._mesh is not None and self._mesh != w.codec.fingerprint
-                and self._mesh not in getattr(w, "keyring", {})):
-            raise MeshError(
-                f"actor mesh {self.name!r} runs on another process mesh than this worker "
-                f"(rank {w.rank}), one that this worker's program did not spawn (another "
-                "program's, or one that is stopped): a worker can call the actors of its "
-                "own program's meshes only (each mesh signs its messages with a key of its "
-                "own). Have the controller relay: return the data to it and call the other "
-                "actor mesh from there")
+        if w is not None:
+            from .mesh_keys import check_known
+
+            check_known(w, self._mesh, f"actor mesh {self.name!r}")
         return w
 
     def _foreign(self, w: Any) -> str | None:
@@ -367,14 +362,15 @@ class ActorMesh(Generic[A]):
                 raise MeshFailure(f"actor {rec.name!r} on rank {r} {cause}", rank=r)
         handles = pickled_count() if oneway else 0
         payload = _EMPTY
+        w = self._caller_worker()  # (None: this process is the actor mesh's controller)
         # to one other process on this host, big CUDA tensors go by IPC handle (both ways)
         one_here = (not oneway and len(ranks) == 1 and "torch" in sys.modules
-                    and self._on_this_host(ranks[0]))
+                    and self._on_this_host(ranks[0], w))
         if args or kwargs:
             with cuda_ipc(one_here):
                 payload = Packed.pack((args, kwargs))
         content: dict[str, Any] = {"a": rec.name, "m": method, "u": rec.uid, "p": payload}
-        if one_here and self._caller_worker() is not None:
+        if one_here and w is not None:
             content["i"] = 1  # a worker calls: its reply may hold IPC handles too
         if oneway:
             content["o"] = True
@@ -386,7 +382,6 @@ class ActorMesh(Generic[A]):
             content["k"] = keep
         if (args or kwargs) and has_code(args, kwargs):
             content["s"] = sources_for([*args, *kwargs.values()])
-        w = self._caller_worker()
         if w is not None:
             from .actor_host import peer_host
 
@@ -410,8 +405,9 @@ class ActorMesh(Generic[A]):
             return None
         return ctl.request(ranks, "call", content)
 
-    def _on_this_host(self, rank: int) -> bool:
-        w = self._caller_worker()
+    def _on_this_host(self, rank: int, w: Any) -> bool:
+        """Whether ``rank`` runs on this host, in another process (``w``: the calling
+        worker, None in the controller)."""
         if w is not None:  # (not this very process: an IPC handle cannot be opened there)
             from .actor_peers import _addr_host, peer_host
 
@@ -432,7 +428,7 @@ class ActorMesh(Generic[A]):
         with rec.lock:
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
-        if self._caller_worker() is None:  # its controller's process: this thread reads its reply
+        if rec.procmesh is not None:  # its controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,

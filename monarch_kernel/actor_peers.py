@@ -215,16 +215,10 @@ class PeerHost:
             return self.codec
         codec = self._codecs.get(mesh)
         if codec is None:
-            key = getattr(self.worker, "keyring", {}).get(mesh)
-            if key is None:
-                from .errors import MeshError
+            from .mesh_keys import check_known
 
-                raise MeshError(
-                    "that actor mesh runs on another process mesh than this worker's, one "
-                    "that this worker's program did not spawn (another program's, or one "
-                    "that is stopped); a worker can call the actors of its own program's "
-                    "meshes only. Have the controller relay: return the data to it and call "
-                    "the other actor mesh from there")
+            check_known(self.worker, mesh, "the callee")
+            key = self.worker.keyring[mesh]
             with self._lanes_lock:
                 codec = self._codecs.get(mesh)
                 if codec is None:
@@ -429,7 +423,7 @@ class PeerHost:
                 log.warning("rank %d refused a peer lane from another user", self.rank)
                 sock.close()
                 continue
-            peer_lanes.set_buffers(sock)
+            _lane.set_buffers(sock)
             ident = peer_lanes.LANE_IDENT + str(next(peer_lanes.accepted_ids)).encode()
             lane = _lane.Lane(sock, f"peer lane {ident!r}", identity=ident,
                               limit=self._limit())

@@ -150,7 +150,7 @@ class RDMABuffer:
         self._address = host.address
         self._nbytes = nbytes
         self._device = str(view.device) if hasattr(view, "numel") else "cpu"
-        self._mesh = _fingerprint(w)
+        self._mesh = w.codec.fingerprint  # (which mesh: mesh_keys.check_known)
         with _lock:
             _registry[self._id] = (data, view)
 
@@ -260,11 +260,10 @@ class RDMABuffer:
     def _worker_of_mesh(self) -> Any:
         """This worker, if it may reach the owner: a rank of the owner's mesh, or of
         another mesh of its program (:mod:`monarch_kernel.mesh_keys`)."""
+        from .mesh_keys import check_known
+
         w = _worker()
-        if _fingerprint(w) != self._mesh and self._mesh not in getattr(w, "keyring", {}):
-            raise MeshError(f"{self!r} was registered on a rank of another program's mesh "
-                            "(or of one that is stopped): a buffer can be read and written "
-                            "by the ranks of its own program's meshes only")
+        check_known(w, self._mesh, repr(self))
         return w
 
     def _is_owner(self, w: Any) -> bool:
@@ -312,11 +311,6 @@ def unregister(bid: str) -> None:
     """Forget buffer ``bid`` here (its owner's ``drop``); no error if unknown."""
     with _lock:
         _registry.pop(bid, None)
-
-
-def _fingerprint(w: Any) -> str:
-    """Names the mesh of worker ``w`` (``Codec.fingerprint``; the key never travels)."""
-    return w.codec.fingerprint
 
 
 def registered(bid: str) -> bool:

@@ -112,9 +112,8 @@ def _send(host: Any, o: _Op) -> None:
                 "(views of at most that size, one RDMABuffer each)")
         if o.route == "band" and o.op == "write":
             content["data"] = _to_numpy(o.view)
-        own = host.codec.fingerprint
         req = host.request([buf._rank], {buf._rank: buf._address}, content, oneway=False,
-                           type="buffer", mesh=None if buf._mesh == own else buf._mesh)
+                           type="buffer", mesh=buf._mesh)
     except BaseException as e:  # noqa: BLE001 - the owner is dead, /dev/shm is full, ...
         _done(o, e)
         return

@@ -51,7 +51,7 @@ from typing import Any
 from .errors import ProtocolError, TransportError
 from .sigint import DeferredSigint
 
-__all__ = ["Lane", "lanes_enabled", "pair", "prepare"]
+__all__ = ["Lane", "lanes_enabled", "pair", "prepare", "set_buffers"]
 
 _COUNT = struct.Struct("<I")
 #: structs of frame lengths, by (prefix, number of frames): "<I" for a message's
@@ -104,12 +104,17 @@ def pair() -> tuple[socket.socket, socket.socket]:
     """
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for s in (a, b):
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-            except OSError:
-                pass
+        set_buffers(s)
     return a, b
+
+
+def set_buffers(sock: socket.socket) -> None:
+    """Ask the kernel for :data:`SOCKET_BUFFER` bytes of buffer each way (it may cap it)."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
 
 
 class Lane:
@@ -345,10 +350,11 @@ class Lane:
                 self._need = at - pos
                 break
             lens = _lengths_struct("<", n).unpack_from(buf, pos + 4)
-            if self.limit is not None and at - pos + sum(lens) > self.limit:
-                self._too_big(at - pos + sum(lens))
-            if at + sum(lens) > end:
-                self._need = at + sum(lens) - pos
+            stop = at + sum(lens)  # (where this message ends)
+            if self.limit is not None and stop - pos > self.limit:
+                self._too_big(stop - pos)
+            if stop > end:
+                self._need = stop - pos
                 break
             frames = []
             for ln in lens:

@@ -40,7 +40,7 @@ from typing import Any
 
 log = logging.getLogger("monarch_kernel.mesh_keys")
 
-__all__ = ["introduce", "pass_down", "register", "ring_for", "unregister"]
+__all__ = ["check_known", "introduce", "pass_down", "register", "ring_for", "unregister"]
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live controllers
 _lock = threading.Lock()
@@ -51,7 +51,29 @@ def _current_worker() -> Any:
     return getattr(mod, "current", None) if mod is not None else None
 
 
+def check_known(w: Any, mesh: str | None, what: str) -> None:
+    """Raise unless worker ``w`` may sign for the mesh whose key's fingerprint
+    is ``mesh`` (None or its own mesh: always; another: once introduced).
+
+    Raises
+    ------
+    MeshError
+        Naming ``what`` (an actor mesh, a buffer) and what to do instead.
+    """
+    if mesh is None or mesh == w.codec.fingerprint or mesh in getattr(w, "keyring", {}):
+        return
+    from .errors import MeshError
+
+    raise MeshError(
+        f"{what} runs on another process mesh than this worker (rank {w.rank}), one that "
+        "this worker's program did not spawn (another program's, or one that is "
+        "stopped): a worker reaches its own program's meshes only (each mesh signs its "
+        "messages with a key of its own). Have the controller relay: return the data to "
+        "it and go on from there")
+
+
 def _others(ctl: Any) -> list[Any]:
+    """This process's live controllers, but ``ctl``."""
     with _lock:
         return [c for c in _live if c is not ctl and not c.stopping and not c._closed.is_set()]
 
@@ -124,9 +146,7 @@ def pass_down(content: dict[str, Any]) -> None:
     """In a worker: what it learned from its controller (``keys`` added or
     dropped, or a death in another mesh, ``content`` of a ``call`` with
     ``sys``) goes on to the meshes this worker spawned itself."""
-    with _lock:
-        mine = [c for c in _live if not c.stopping and not c._closed.is_set()]
-    for c in mine:
+    for c in _others(None):
         if "sys" in content:
             _tell(c, content, "call")
         elif _secure(c):

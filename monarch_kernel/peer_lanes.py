@@ -25,7 +25,7 @@ from . import lane as _lane
 log = logging.getLogger("monarch_kernel.actor")
 
 __all__ = ["ACCEPT_RETRY_S", "CONNECT_TIMEOUT_S", "LANE_IDENT", "dial", "enabled", "listen",
-           "peer_cred", "peer_uid", "set_buffers"]
+           "peer_cred", "peer_uid"]
 
 #: seconds the lane listener is left unwatched after an accept failed (out of fds)
 ACCEPT_RETRY_S = 0.5
@@ -97,18 +97,10 @@ def dial(name: str, label: str, limit: int) -> _lane.Lane | None:
             log.warning("refused %s: the listener is not the peer's process", label)
             sock.close()
             return None
-        set_buffers(sock)
+        _lane.set_buffers(sock)
         return _lane.Lane(sock, label, limit=limit)
     except OSError as e:  # not on this host (or network namespace), out of fds, ...
         log.debug("no %s (%s): ZeroMQ it is", label, e)
         if sock is not None:
             sock.close()
         return None
-
-
-def set_buffers(sock: socket.socket) -> None:
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, _lane.SOCKET_BUFFER)
-        except OSError:
-            pass
