@@ -434,7 +434,8 @@ class ActorMesh(Generic[A]):
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
                                       resume=ctl.resume_io)
         else:
-            fut = Future(guard=actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers))
+            guard = actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers)
+            fut = Future(guard=guard, waiter=req.waiter)  # (worker_io.lead_wait, or None)
 
         def done(q: Request, pinned: tuple = (args, kwargs)) -> None:
             # ``pinned``: handles (tensors.Ref) among the arguments stay alive, so their

@@ -62,6 +62,10 @@ _host_lock = threading.Lock()
 _hosts: weakref.WeakSet[PeerHost] = weakref.WeakSet()  # (for the fork hook)
 
 
+#: seconds a thread waits for a peer lane that the other thread watching it reads
+READ_WAIT_S = 0.005
+
+
 def peer_host(worker: Any) -> PeerHost:
     """This worker's :class:`PeerHost`, started on first use."""
     global _host
@@ -75,13 +79,15 @@ def peer_host(worker: Any) -> PeerHost:
 
 
 def stats() -> dict[str, int]:
-    """Counts of this worker's peer-to-peer messages (``in``, ``out``) and of
-    its open peer lanes (``lanes_out``: to peers it calls, ``lanes_in``: from
-    peers that call it)."""
+    """Counts of this worker's peer-to-peer messages (``in``, ``out``; ``led``:
+    of those in, the ones read by the thread leading the worker's I/O, an
+    idle actor's or a waiting caller's, rather than by the peer I/O thread)
+    and of its open peer lanes (``lanes_out``: to peers it calls,
+    ``lanes_in``: from peers that call it)."""
     h = _host
     if h is None:
-        return {"in": 0, "out": 0, "lanes_out": 0, "lanes_in": 0}
-    return {"in": h.messages_in, "out": h.messages_out,
+        return {"in": 0, "out": 0, "led": 0, "lanes_out": 0, "lanes_in": 0}
+    return {"in": h.messages_in, "out": h.messages_out, "led": h.messages_led,
             "lanes_out": sum(1 for v in list(h._lane_to.values()) if v is not None),
             "lanes_in": len(h._accepted)}
 
@@ -138,6 +144,7 @@ class PeerHost:
         self.stopped: dict[str, str] = {}
         self.messages_in = 0
         self.messages_out = 0
+        self.messages_led = 0  # of messages_in: those the worker's leading thread read
         self._lock = threading.Lock()
         # peer lanes: this worker's connections to peers' listeners (address -> lane,
         # None where none can be made), those that peers made to it (identity -> lane),
@@ -152,6 +159,10 @@ class PeerHost:
         self._accepted: dict[bytes, _lane.Lane] = {}
         self._new_lanes: list[_lane.Lane] = []
         self._dead_lanes: list[_lane.Lane] = []  # lanes to ranks declared dead: to close
+        #: lanes the worker's leading thread watches too (fd -> lane; see _watch)
+        self._shared: dict[int, _lane.Lane] = {}
+        #: whether it may (MONARCH_PEER_LEAD=0: only this host's I/O thread reads them)
+        self.share = os.environ.get("MONARCH_PEER_LEAD", "").strip() != "0"
         self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
@@ -191,6 +202,10 @@ class PeerHost:
         req = None
         if not oneway:
             req = Request(mid, ranks)
+            if self._shared or self._worker_poller() is not None:
+                # the caller's thread may read the reply itself (worker_io.lead_wait)
+                req.waiter = self.worker.lead_wait
+                req.wake = self.worker.wake_leader
             if codec is not self.codec:
                 req.mesh = mesh
             if names:
@@ -379,8 +394,7 @@ class PeerHost:
                     new, self._new_lanes = self._new_lanes, []
                     dead, self._dead_lanes = self._dead_lanes, []
                 for lane in new:
-                    lanes[lane.fileno()] = lane
-                    poller.register(lane.fileno())
+                    self._watch(lane, poller, lanes)
                 for lane in dead:
                     if lanes.get(lane.fileno()) is lane:
                         lane.eof = True
@@ -428,30 +442,95 @@ class PeerHost:
             lane = _lane.Lane(sock, f"peer lane {ident!r}", identity=ident,
                               limit=self._limit())
             self._accepted[ident] = lane
-            lanes[lane.fileno()] = lane
-            poller.register(lane.fileno())
+            self._watch(lane, poller, lanes)
+
+    def _worker_poller(self) -> FdPoller | None:
+        """The worker's own poller, where peer lanes may be watched too: an
+        epoll one that can watch them exclusively (else None)."""
+        p = getattr(self.worker, "_poller", None)
+        return p if self.share and isinstance(p, FdPoller) and p.exclusive else None
+
+    def _watch(self, lane: _lane.Lane, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
+        """Watch a new peer lane (the I/O thread): in the worker's poller first,
+        then in this thread's, both with ``EPOLLEXCLUSIVE``. So a thread of
+        the worker that leads its I/O and waits in its poll (an idle actor's
+        thread, a caller waiting for a reply: :mod:`monarch_kernel.worker_io`)
+        is the one woken by a message on the lane, and reads it itself,
+        with no hand-off to or from this thread; this thread reads it when
+        nobody waits there (the actor is busy: buffer reads are served at
+        once all the same). A leader/follower pair, as in ``worker_io``."""
+        fd = lane.fileno()
+        wp = self._worker_poller()
+        if wp is not None:
+            self._shared[fd] = lane
+            wp.register(fd, exclusive=True)
+        lanes[fd] = lane
+        poller.register(fd, exclusive=wp is not None)
+
+    def read_shared(self, fd: int) -> bool:
+        """Read and handle the peer lane ``fd`` (the thread that leads the
+        worker's I/O, whose poll found it ready); False if ``fd`` is not a
+        shared peer lane. A lane at its end is left to this host's I/O
+        thread to close (it is unwatched here at once)."""
+        lane = self._shared.get(fd)
+        if lane is None:
+            return False
+        self.messages_led += self._drain(lane) or 0
+        if lane.eof and self._shared.pop(fd, None) is lane:
+            wp = self._worker_poller()
+            if wp is not None:
+                wp.unregister(fd)  # (else the end of a lane would wake it at every poll)
+            with self._lanes_lock:
+                self._dead_lanes.append(lane)
+            try:
+                self.outbox.send([b"n"])
+            except TransportError:  # (closing)
+                pass
+        return True
+
+    def _drain(self, lane: _lane.Lane, wait: bool = False) -> int | None:
+        """Read ``lane`` and handle its messages, holding its ``read_lock``
+        all along (messages of one lane are handled in order, whichever of
+        two threads reads them); how many it handled, or None, having read
+        nothing, if another thread held it for READ_WAIT_S (``wait``: as
+        long as it takes). (Both polls are level-triggered: a short wait,
+        not a spin, while the other thread handles what it read, a buffer
+        read say.)"""
+        if not lane.read_lock.acquire(timeout=-1 if wait else READ_WAIT_S):
+            return None
+        try:
+            messages: list[Any] = []
+            if not lane.eof:
+                try:
+                    messages = lane.read()
+                except Exception as e:  # noqa: BLE001 - over the limit, out of memory
+                    log.warning("rank %d dropped a peer lane: %s", self.rank, e)
+                    lane.eof = True
+            codec = self.codec if lane.identity else self._codec_of_addr.get(
+                self._lane_addrs.get(lane, ""), self.codec)
+            for frames in messages:
+                if lane.identity:
+                    self._incoming(frames, lane.identity)
+                else:
+                    self._reply(frames, codec)
+        finally:
+            lane.read_lock.release()
+        return len(messages)
 
     def _read_lane(self, lane: _lane.Lane, poller: FdPoller,
                    lanes: dict[int, _lane.Lane]) -> None:
         """Handle what came on a peer lane: calls on a lane a peer made to this
         worker, replies on one this worker made (the I/O thread)."""
-        messages: list[Any] = []
-        if not lane.eof:
-            try:
-                messages = lane.read()
-            except Exception as e:  # noqa: BLE001 - over the limit, out of memory: that lane
-                log.warning("rank %d dropped a peer lane: %s", self.rank, e)
-                lane.eof = True
-        codec = self.codec if lane.identity else self._codec_of_addr.get(
-            self._lane_addrs.get(lane, ""), self.codec)
-        for frames in messages:
-            if lane.identity:
-                self._incoming(frames, lane.identity)
-            else:
-                self._reply(frames, codec)
+        if self._drain(lane, wait=lane.eof) is None:
+            return  # (the worker's leading thread reads it now: ready again later)
         if lane.eof:  # the other process is gone (or closed it)
-            poller.unregister(lane.fileno())
-            del lanes[lane.fileno()]
+            fd = lane.fileno()
+            if self._shared.pop(fd, None) is lane:
+                wp = self._worker_poller()
+                if wp is not None:
+                    wp.unregister(fd)
+            poller.unregister(fd)
+            del lanes[fd]
             lane.close()
             if lane.identity:
                 self._accepted.pop(lane.identity, None)

@@ -151,6 +151,9 @@ class Lane:
         self._fd = sock.fileno()  # (kept: a closed socket's fileno() is -1)
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        #: held by whoever reads (and handles what it read): a lane that two threads
+        #: watch (a worker's peer lanes, monarch_kernel.actor_peers) is read by one at a time
+        self.read_lock = threading.Lock()
         self._backlog: collections.deque[memoryview] = collections.deque()
         self._flusher: threading.Thread | None = None
         self._wake = threading.Condition(self._lock)

@@ -110,6 +110,9 @@ class Request:
         #: ``waiter(event, timeout) -> bool``: blocks until ``event`` is set, reading
         #: the controller's messages in the waiting thread (Controller.wait_for)
         self.waiter: Callable[[Flag, float | None], bool] | None = None
+        #: called once done, after the callbacks: wakes a thread that waits for this
+        #: in its own poll, when another thread finished it (WorkerIO.wake_leader)
+        self.wake: Callable[[], None] | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -147,6 +150,8 @@ class Request:
                 fn(self)
             except Exception:
                 log.exception("a request callback failed")
+        if self.wake is not None:
+            self.wake()
 
     def _reply(self, rank: int, status: str, value: Any) -> bool:
         self.replies[rank] = (status, value)

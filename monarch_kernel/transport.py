@@ -218,17 +218,51 @@ class FdPoller:
         self._fd_of: dict[zmq.Socket, int] = {}
         self._check: set[zmq.Socket] = set()  # sockets whose ZMQ_EVENTS are asked first
 
-    def register(self, obj: zmq.Socket | int, flags: int = zmq.POLLIN) -> None:
-        """Watch ``obj`` (a ZeroMQ socket or an fd) for input (``flags`` must be POLLIN)."""
+    @property
+    def exclusive(self) -> bool:
+        """Whether :meth:`register` can watch an fd with ``exclusive=True``
+        (epoll's ``EPOLLEXCLUSIVE``: Linux 4.5 and later)."""
+        return self._epoll is not None and hasattr(select, "EPOLLEXCLUSIVE")
+
+    def register(self, obj: zmq.Socket | int, flags: int = zmq.POLLIN,
+                 exclusive: bool = False) -> None:
+        """Watch ``obj`` (a ZeroMQ socket or an fd) for input (``flags`` must be POLLIN).
+
+        With ``exclusive`` (an fd, where :attr:`exclusive` holds), the fd is
+        watched with ``EPOLLEXCLUSIVE``: when it is watched so by several
+        pollers, input wakes one thread, the first poller (in the order
+        they registered it) that has a thread waiting in it; another thread
+        that waits in one of them may still see it ready later, so whoever
+        reads it must cope with finding nothing (and two readers must not
+        read it at once). Any thread may register an fd while another
+        waits in :meth:`poll` (``epoll_ctl(2)`` is thread-safe).
+
+        Raises
+        ------
+        ValueError
+            If ``flags`` is not ``zmq.POLLIN``, or ``exclusive`` is asked of a
+            socket or where it cannot be had.
+        """
         if flags != zmq.POLLIN:
             raise ValueError("FdPoller watches for input (zmq.POLLIN) only")
         if isinstance(obj, zmq.Socket):
+            if exclusive:
+                raise ValueError("exclusive applies to plain fds, not ZeroMQ sockets")
             fd = obj.getsockopt(zmq.FD)
             self._socks[fd] = obj
             self._fd_of[obj] = fd
             self._check.add(obj)
         else:
             fd = obj
+        if exclusive:
+            if not self.exclusive:
+                raise ValueError("EPOLLEXCLUSIVE needs epoll on Linux 4.5 or later")
+            # (it cannot be changed by EPOLL_CTL_MOD: an fd watched already keeps its mode)
+            try:
+                self._poll.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+            except FileExistsError:
+                pass
+            return
         try:
             self._poll.register(fd, select.POLLIN)  # (EPOLLIN == POLLIN)
         except FileExistsError:  # (epoll: registered already)

@@ -183,6 +183,8 @@ class Worker(WorkerIO):
         self._want = 0
         self._want_lock = threading.Lock()
         self._led_at = 0.0
+        self._leader: int | None = None  # the thread that holds _lead, while it polls
+        self._lead_waits = 0  # threads in lead_wait
         self._poller: zmq.Poller | FdPoller | None = None
         self._last_heard = self._last_sent = time.monotonic()
         self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)

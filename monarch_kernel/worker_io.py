@@ -8,7 +8,15 @@ leads while it is idle (:meth:`WorkerIO.lead_until`), so a call is read by
 the thread that runs it, with no hand-off between threads; so does the main
 thread, which runs cells, while the worker has no actor. The I/O thread
 takes the lead again 10-30 ms after the actor stopped leading (while the
-actor runs a call). :class:`WorkerIO` is a mixin of
+actor runs a call).
+
+Peer lanes (:mod:`monarch_kernel.actor_peers`) are watched here too, as well
+as by the peer I/O thread, with ``EPOLLEXCLUSIVE``, this poller first: a
+call from a peer wakes the idle actor's thread, which runs it with no
+hand-off; a thread that made a peer call and waits for its reply leads
+while it waits (:meth:`WorkerIO.lead_wait`) and reads the reply itself.
+Whatever comes while nobody waits in this poll (the actor is busy) wakes
+the peer I/O thread instead, as before. :class:`WorkerIO` is a mixin of
 :class:`~monarch_kernel.worker.Worker` and uses its sockets and queues.
 """
 
@@ -17,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -63,7 +72,11 @@ class WorkerIO:
                 with self._lead:
                     if not self._want:
                         held = self._flush_stale_replies()
-                        self._io_step(20 if held else 100)
+                        self._leader = threading.get_ident()
+                        try:
+                            self._io_step(20 if held else 100)
+                        finally:
+                            self._leader = None
         except BaseException:  # without this thread the rank is deaf: leave, loudly
             log.exception("rank %d: the I/O thread failed; exiting", self.rank)
             _exit(1)
@@ -98,8 +111,46 @@ class WorkerIO:
         ``actors=0``). Returns False, at once, when it cannot lead: more
         actors than ``actors`` run on this worker, or the worker is
         stopping; the caller then waits on ``q`` as usual."""
+        return self._lead_while(lambda: q.empty(), actors, None) is True
+
+    def lead_wait(self, flag: Any, timeout: float | None = None) -> bool:
+        """Wait until ``flag`` (a :class:`~monarch_kernel.flag.Flag`) is set, at
+        most ``timeout`` seconds (None: no limit), doing the worker's I/O in
+        this thread meanwhile where it may lead (a worker with at most one
+        actor): the reply to a peer call that this thread made is then read
+        here (a ``Future``'s waiter). True if ``flag`` was set.
+
+        The main thread (a cell's call) does not lead here: a Ctrl-C raised in
+        the middle of an I/O step could lose messages read in it."""
+        if flag.is_set():
+            return True
+        if threading.current_thread() is threading.main_thread():
+            return flag.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._want_lock:
+            self._lead_waits += 1
+        try:
+            if self._lead_while(lambda: not flag.is_set(), 1, deadline) is not None:
+                return flag.is_set()
+        finally:
+            with self._want_lock:
+                self._lead_waits -= 1
+        return flag.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def wake_leader(self) -> None:
+        """Wake a thread that waits in :meth:`lead_wait` (from another thread:
+        a request it may wait for was finished there)."""
+        if self._lead_waits and self._leader != threading.get_ident():
+            self.wake()
+
+    def _lead_while(self, more: Any, actors: int, deadline: float | None) -> bool | None:
+        """Lead the I/O while ``more()`` (an idle or waiting thread): True once it
+        is false, False at the deadline; None when this thread cannot lead
+        (more actors than ``actors``, another thread wants to, stopping)."""
         if len(self.actors) > actors or self.stopping.is_set() or self._poller is None:
-            return False
+            return None
+        if self._leader == threading.get_ident():
+            return None  # (nested: it leads already, further up its stack)
         with self._want_lock:
             self._want += 1
         try:
@@ -107,16 +158,24 @@ class WorkerIO:
                 try:  # the I/O thread leaves its poll and steps back
                     self.outbox.send([b""])
                 except Exception:  # noqa: BLE001 - closing
-                    return False
+                    return None
                 if not self._lead.acquire(timeout=1.0):
-                    return False
+                    return None
+            outer, self._leader = self._leader, threading.get_ident()
             try:
-                while q.empty():
+                while more():
                     if self.stopping.is_set() or len(self.actors) > actors or self._want > 1:
-                        return False  # (another actor thread wants to lead: let it)
-                    self._io_step(50)
+                        return None  # (another actor thread wants to lead: let it)
+                    wait_ms = 50
+                    if deadline is not None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        wait_ms = max(1, min(50, int(left * 1000)))
+                    self._io_step(wait_ms)
                 return True
             finally:
+                self._leader = outer
                 self._led_at = time.monotonic()
                 self._lead.release()
         finally:
@@ -135,7 +194,15 @@ class WorkerIO:
         if self.stopping.is_set():
             return
         if self.lane is not None:
-            incoming = self.lane.read() if events.get(self.lane.fileno()) else []
+            lane_fd = self.lane.fileno()
+            incoming = self.lane.read() if events.get(lane_fd) else []
+            if len(events) > (self.pull in events) + (lane_fd in events):
+                from .actor_peers import _host
+
+                if _host is not None:  # peer lanes (see the module docstring)
+                    for obj in events:
+                        if isinstance(obj, int) and obj != lane_fd:
+                            _host.read_shared(obj)
         else:
             incoming = drain(self.dealer, small=1) if self.dealer in events else ()
         for frames in incoming:  # [envelope, buffers...]

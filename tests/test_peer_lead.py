@@ -1,0 +1,174 @@
+"""Peer lanes read by the thread that leads the worker's I/O (worker_io):
+an idle actor's thread reads the calls its peers make to it, and a thread
+that waits for a peer's reply reads the reply itself, with the peer I/O
+thread as the fallback reader (both watch each lane, ``EPOLLEXCLUSIVE``).
+Real workers on one host; ``MONARCH_PEER_LEAD=0`` leaves every lane to the
+peer I/O thread, as before, for comparison."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+
+from monarch_kernel import Actor, endpoint, spawn_procs
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Peer(Actor):
+    """One actor per worker (the case where its thread may lead)."""
+
+    def __init__(self) -> None:
+        self.log: list[int] = []
+
+    @endpoint
+    def echo(self, x: int) -> int:
+        return x
+
+    @endpoint
+    def record(self, i: int, busy_s: float) -> None:
+        if busy_s:
+            time.sleep(busy_s)  # busy: what comes meanwhile is read by the peer I/O thread
+        self.log.append(i)
+
+    @endpoint
+    def logged(self) -> list[int]:
+        return self.log
+
+    @endpoint
+    def nap(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    @endpoint
+    def stats(self) -> dict:
+        from monarch_kernel.actor_peers import stats
+
+        return stats()
+
+    @endpoint
+    def ping(self, other, calls: int) -> int:
+        return sum(other.echo.call_one(i).get(timeout=60) for i in range(calls))
+
+    @endpoint
+    def bursts(self, other, calls: int) -> None:
+        """``calls`` calls to ``other.record`` in bursts of 10, not waiting for
+        each (every 7th keeps ``other`` busy 3 ms); then waits for them all."""
+        futures = []
+        for i in range(calls):
+            futures.append(other.record.call_one(i, 0.003 if i % 7 == 0 else 0.0))
+            if i % 10 == 9:
+                time.sleep(0.005)  # (``other`` goes idle now and then: its thread leads)
+        for f in futures:
+            f.get(timeout=120)
+
+    @endpoint
+    def storm(self, other, threads: int, calls: int) -> list[int]:
+        """``threads`` threads of this worker call ``other`` at once (they take
+        turns leading the I/O while they wait)."""
+        sums = [0] * threads
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                for k in range(calls):
+                    sums[i] += other.echo.call_one(i * calls + k).get(timeout=60)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        if errors:
+            raise errors[0]
+        return sums
+
+    @endpoint
+    def wait_briefly(self, other) -> list[str]:
+        """A peer call's ``get`` with a timeout shorter than the call, then again."""
+        f = other.nap.call_one(1.0)
+        out = []
+        t0 = time.monotonic()
+        try:
+            f.get(timeout=0.2)
+            out.append("returned")
+        except TimeoutError:
+            out.append(f"timed out after {time.monotonic() - t0:.2f} s")
+        out.append(f.get(timeout=30))
+        return out
+
+
+@pytest.mark.parametrize("lead", ["1", "0"], ids=["leaders-read", "peer-thread-reads"])
+def test_idle_callee_and_waiting_caller_read_their_own_messages(lead, monkeypatch):
+    monkeypatch.setenv("MONARCH_PEER_LEAD", lead)  # (the workers inherit it)
+    calls = 400
+    procs = spawn_procs(2, telemetry_interval=0)
+    try:
+        peers = procs.spawn("peer", Peer)
+        a, b = peers.slice(procs=0), peers.slice(procs=1)
+        before = peers.stats.call().get(timeout=30).values()
+        assert a.ping.call_one(b, calls).get(timeout=120) == sum(range(calls))
+        after = peers.stats.call().get(timeout=30).values()
+        got = [{k: y[k] - x[k] for k in ("in", "out", "led")} for x, y in zip(before, after)]
+        assert got[0]["in"] == calls and got[1]["in"] == calls, got  # replies; calls
+        if lead == "1":
+            # most replies read by the caller's own waiting thread, most calls by the
+            # callee's idle actor thread (the rest: whoever was not yet back in its poll)
+            assert got[0]["led"] >= calls // 4 and got[1]["led"] >= calls // 4, got
+        else:
+            assert got[0]["led"] == 0 and got[1]["led"] == 0, got
+    finally:
+        procs.stop()
+
+
+def test_calls_keep_their_order_when_both_readers_take_turns():
+    calls = 300
+    procs = spawn_procs(2, telemetry_interval=0)
+    try:
+        peers = procs.spawn("peer", Peer)
+        a, b = peers.slice(procs=0), peers.slice(procs=1)
+        before = b.stats.call_one().get(timeout=30)
+        a.bursts.call_one(b, calls).get(timeout=180)
+        assert b.logged.call_one().get(timeout=30) == list(range(calls))
+        after = b.stats.call_one().get(timeout=30)
+        led = after["led"] - before["led"]
+        came = after["in"] - before["in"]
+        # both readers had a share: the idle actor's thread and the peer I/O thread
+        assert came == calls and 0 < led < calls, (came, led)
+    finally:
+        procs.stop()
+
+
+def test_threads_waiting_at_once_all_get_their_replies():
+    threads, calls = 6, 100
+    procs = spawn_procs(2, telemetry_interval=0)
+    try:
+        peers = procs.spawn("peer", Peer)
+        a, b = peers.slice(procs=0), peers.slice(procs=1)
+        expected = [sum(range(i * calls, (i + 1) * calls)) for i in range(threads)]
+        # (one way at a time: the callee's only actor answers while the caller's storms)
+        assert a.storm.call_one(b, threads, calls).get(timeout=240) == expected
+        assert b.storm.call_one(a, threads, calls).get(timeout=240) == expected
+    finally:
+        procs.stop()
+
+
+def test_a_waiting_caller_times_out_on_time_and_can_wait_again():
+    procs = spawn_procs(2, telemetry_interval=0)
+    try:
+        peers = procs.spawn("peer", Peer)
+        first, second = peers.slice(procs=0).wait_briefly.call_one(
+            peers.slice(procs=1)).get(timeout=60)
+        assert first.startswith("timed out after"), first
+        assert 0.15 <= float(first.split()[3]) < 0.9, first
+        assert second == "done"
+    finally:
+        procs.stop()
