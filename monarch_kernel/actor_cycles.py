@@ -113,7 +113,8 @@ class _Wait:
 
 # ------------------------------------------------------ the serving side
 def track(inst: Any, mid: str, c: dict[str, Any], route: list[bytes]) -> None:
-    """A call made by an actor arrived for ``inst`` (peer thread, before it is queued)."""
+    """A call made by an actor arrived for ``inst`` (the thread that read it, before
+    it is queued)."""
     with inst.wait_lock:
         inst.tracked[mid] = _Tracked(mid, c, route)
 
@@ -136,7 +137,8 @@ def end(inst: Any, mid: str) -> None:
 
 
 def on_notice(worker: Any, content: Any) -> None:
-    """A wait notice arrived (the peer thread); fail the call it shows to close a cycle."""
+    """A wait notice arrived (read by the peer thread, or the worker's leading
+    thread); fail the call it shows to close a cycle."""
     try:
         inst = worker.actors.get(content["a"])
         if inst is None:
@@ -156,7 +158,7 @@ def on_notice(worker: Any, content: Any) -> None:
                     err = WaitCycleError(_describe(inst, t, path))
             if inst.waits:
                 _resend(inst)
-    except Exception:  # a bad notice must not stop the peer thread
+    except Exception:  # a bad notice must not stop the thread that read it
         log.exception("rank %s: a wait notice could not be handled", worker.rank)
         return
     if err is not None:

@@ -17,8 +17,10 @@ can connect to it (same host and network namespace) sends its calls there
 on a :class:`~monarch_kernel.lane.Lane`, from its own thread, and the
 callee's actor thread writes the reply on the same lane: no ZeroMQ I/O
 thread and no hand-off through the outbox on either side (the reason lanes
-exist, :mod:`monarch_kernel.lane`). This worker's peer I/O thread reads
-the lanes. Messages are signed as on ZeroMQ. A caller that cannot connect
+exist, :mod:`monarch_kernel.lane`). The lanes are read by the thread
+that leads the worker's I/O when one waits in its poll (an idle actor's
+thread, a caller's waiting for its reply), else by this worker's peer I/O
+thread (see :meth:`PeerHost._watch`). Messages are signed as on ZeroMQ. A caller that cannot connect
 (another host) uses ZeroMQ to that address from then on.
 ``MONARCH_LANES=0`` turns peer lanes off too.
 

@@ -12,12 +12,12 @@ offers:
 
 * CUDA tensor, reader on the same host: a CUDA IPC handle
   (``cudaIpcGetMemHandle``, through ``torch.multiprocessing``'s reductions)
-  made fresh for each operation by the owner's peer I/O thread; the reader
+  made fresh for each operation by the owner's peer I/O (or leading) thread; the reader
   maps the owner's memory and copies device to device. The copy is ordered
   after the work the owner had queued on its default stream when the handle
   was made (the handle carries a CUDA event).
 * CPU tensor, same host: the reader lends the owner a pooled shared-memory
-  file (:meth:`monarch_kernel.shm.Pool.lease`); the owner's peer I/O thread
+  file (:meth:`monarch_kernel.shm.Pool.lease`); the owner's peer I/O (or leading) thread
   copies the bytes into it (a read) or out of it (a write): one copy on
   each side, no socket.
 * Otherwise (another host, or CUDA IPC refused): the bytes travel as

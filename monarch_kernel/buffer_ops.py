@@ -2,7 +2,10 @@
 
 The reader (or writer) sends a ``buffer`` message to the owner's peer socket
 (:mod:`monarch_kernel.actor_peers`); the owner's peer I/O thread answers it
-with :func:`serve`, so the owner's actors and cells take no part. Content::
+with :func:`serve` (or, while one waits in the owner's poll, the thread
+that leads its I/O: an idle actor's, a caller's waiting for a reply; see
+:mod:`monarch_kernel.worker_io`), so no busy actor or cell of the owner
+takes part. Content::
 
     {"op": "read" | "write" | "drop", "id": buffer id, "n": bytes,
      "m": "ipc" | "shm" | "band", "shm": file name, "data": array}
@@ -12,8 +15,9 @@ owner's tensor (the reader then copies device to device itself); ``shm``
 names a pooled shared-memory file of the reader's, which the owner fills
 (read) or empties (write); ``band`` carries the bytes in the messages
 themselves. The reply is ``{"status": "ok" | "error", "value": ...}``.
-The reader finishes the operation (its copy) in its own peer I/O thread,
-when the reply arrives, and completes the operation's future.
+The reader finishes the operation (its copy) in the thread that reads the
+reply (its peer I/O thread, or its leading thread), and completes the
+operation's future.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def _to_numpy(view: Any) -> Any:
 
 
 def _finish(host: Any, o: _Op, req: Any) -> None:
-    """The owner answered (in this process's peer I/O thread)."""
+    """The owner answered (in the thread of this process that read the reply)."""
     global _ipc_refused
     with o.lock:
         expired = o.state == "expired"
@@ -295,7 +299,8 @@ def _expire(o: _Op, timeout: float) -> None:
 
 # --------------------------------------------------------------- owner side
 def serve(host: Any, msg: Any) -> None:
-    """Answer a ``buffer`` message (the owner's peer I/O thread)."""
+    """Answer a ``buffer`` message (the thread that read it: the owner's peer I/O
+    thread, or the thread leading its I/O, :mod:`monarch_kernel.worker_io`)."""
     c = msg.content
     try:
         value = _serve(c, host.rank)
