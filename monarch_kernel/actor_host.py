@@ -131,7 +131,9 @@ class _ActorInstance:
         """Queue ``item`` for this actor's thread (any thread); wakes the thread
         when it is idle and reading the worker's messages (``lead_until``)."""
         self.queue.put(item)
-        if self.leading and threading.get_ident() != self.thread.ident:
+        me = threading.get_ident()  # (the thread that leads checks the queue itself)
+        if self.leading and me != self.thread.ident and getattr(
+                self.worker, "_leader", None) != me:
             wake = getattr(self.worker, "wake", None)
             if wake is not None:
                 wake()

@@ -163,8 +163,6 @@ class PeerHost:
         self._dead_lanes: list[_lane.Lane] = []  # lanes to ranks declared dead: to close
         #: lanes the worker's leading thread watches too (fd -> lane; see _watch)
         self._shared: dict[int, _lane.Lane] = {}
-        #: whether it may (MONARCH_PEER_LEAD=0: only this host's I/O thread reads them)
-        self.share = os.environ.get("MONARCH_PEER_LEAD", "").strip() != "0"
         self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
@@ -204,10 +202,6 @@ class PeerHost:
         req = None
         if not oneway:
             req = Request(mid, ranks)
-            if self._shared or self._worker_poller() is not None:
-                # the caller's thread may read the reply itself (worker_io.lead_wait)
-                req.waiter = self.worker.lead_wait
-                req.wake = self.worker.wake_leader
             if codec is not self.codec:
                 req.mesh = mesh
             if names:
@@ -217,6 +211,12 @@ class PeerHost:
                 self.pending[mid] = req
         for r in ranks:
             self.send_to(peers[r], frames)
+        if req is not None and self._worker_poller() is not None and all(
+                self._lane_to.get(peers[r]) for r in ranks):
+            # the replies come on lanes: the caller's thread may read them itself while
+            # it waits (worker_io.lead_wait), woken if another thread read them first
+            req.waiter = self.worker.lead_wait
+            req.wake = self.worker.wake_leader
         return req
 
     def codec_for(self, mesh: str | None) -> Any:
@@ -449,8 +449,8 @@ class PeerHost:
     def _worker_poller(self) -> FdPoller | None:
         """The worker's own poller, where peer lanes may be watched too: an
         epoll one that can watch them exclusively (else None)."""
-        p = getattr(self.worker, "_poller", None)
-        return p if self.share and isinstance(p, FdPoller) and p.exclusive else None
+        p = getattr(self.worker, "_lead_poller", None)
+        return p if isinstance(p, FdPoller) else None
 
     def _watch(self, lane: _lane.Lane, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
         """Watch a new peer lane (the I/O thread): in the worker's poller first,
@@ -464,7 +464,8 @@ class PeerHost:
         fd = lane.fileno()
         wp = self._worker_poller()
         if wp is not None:
-            self._shared[fd] = lane
+            with self._lanes_lock:
+                self._shared[fd] = lane
             wp.register(fd, exclusive=True)
         lanes[fd] = lane
         poller.register(fd, exclusive=wp is not None)
@@ -478,16 +479,25 @@ class PeerHost:
         if lane is None:
             return False
         self.messages_led += self._drain(lane) or 0
-        if lane.eof and self._shared.pop(fd, None) is lane:
-            wp = self._worker_poller()
-            if wp is not None:
-                wp.unregister(fd)  # (else the end of a lane would wake it at every poll)
+        if lane.eof and self._unshare(lane, fd):
             with self._lanes_lock:
                 self._dead_lanes.append(lane)
             try:
                 self.outbox.send([b"n"])
             except TransportError:  # (closing)
                 pass
+        return True
+
+    def _unshare(self, lane: _lane.Lane, fd: int) -> bool:
+        """Stop the worker's leading threads watching ``lane`` (at its end: else
+        they would be woken by it at every poll); False if they did not."""
+        with self._lanes_lock:  # (only this lane: its fd may be another's by now)
+            if self._shared.get(fd) is not lane:
+                return False
+            del self._shared[fd]
+        wp = self._worker_poller()
+        if wp is not None:
+            wp.unregister(fd)
         return True
 
     def _drain(self, lane: _lane.Lane, wait: bool = False) -> int | None:
@@ -527,10 +537,7 @@ class PeerHost:
             return  # (the worker's leading thread reads it now: ready again later)
         if lane.eof:  # the other process is gone (or closed it)
             fd = lane.fileno()
-            if self._shared.pop(fd, None) is lane:
-                wp = self._worker_poller()
-                if wp is not None:
-                    wp.unregister(fd)
+            self._unshare(lane, fd)
             poller.unregister(fd)
             del lanes[fd]
             lane.close()

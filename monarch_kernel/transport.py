@@ -366,6 +366,25 @@ class Outbox:
                 raise TransportError("the connection is closed")
             send_frames(self._sock, frames)
 
+    def try_send(self, frames: list[Any]) -> bool:
+        """As :meth:`send`, but never blocking: False if the pipe is full (its
+        high-water mark: the I/O thread has that many messages to read already;
+        for a wake-up, one more would add nothing).
+
+        Raises
+        ------
+        TransportError
+            If the outbox is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise TransportError("the connection is closed")
+            try:
+                send_frames(self._sock, frames, _NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

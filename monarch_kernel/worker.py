@@ -184,6 +184,7 @@ class Worker(WorkerIO):
         self._want_lock = threading.Lock()
         self._led_at = 0.0
         self._leader: int | None = None  # the thread that holds _lead, while it polls
+        self._lead_poller: FdPoller | None = None  # actors' and callers' (worker_io)
         self._lead_waits = 0  # threads in lead_wait
         self._poller: zmq.Poller | FdPoller | None = None
         self._last_heard = self._last_sent = time.monotonic()

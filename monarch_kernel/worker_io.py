@@ -11,12 +11,16 @@ takes the lead again 10-30 ms after the actor stopped leading (while the
 actor runs a call).
 
 Peer lanes (:mod:`monarch_kernel.actor_peers`) are watched here too, as well
-as by the peer I/O thread, with ``EPOLLEXCLUSIVE``, this poller first: a
-call from a peer wakes the idle actor's thread, which runs it with no
-hand-off; a thread that made a peer call and waits for its reply leads
+as by the peer I/O thread, with ``EPOLLEXCLUSIVE``, this worker's poller
+first: a call from a peer wakes the idle actor's thread, which runs it with
+no hand-off; a thread that made a peer call and waits for its reply leads
 while it waits (:meth:`WorkerIO.lead_wait`) and reads the reply itself.
-Whatever comes while nobody waits in this poll (the actor is busy) wakes
-the peer I/O thread instead, as before. :class:`WorkerIO` is a mixin of
+They use a poller of their own (``_lead_poller``, the same fds and the peer
+lanes); the I/O thread's does not watch peer lanes, so a buffer read never
+holds up its heartbeats and interrupts. Whatever comes while nobody waits
+in the lead poller (the actor is busy, a worker of several actors) wakes
+the peer I/O thread instead, as before. ``MONARCH_PEER_LEAD=0`` turns this
+off. :class:`WorkerIO` is a mixin of
 :class:`~monarch_kernel.worker.Worker` and uses its sockets and queues.
 """
 
@@ -40,6 +44,13 @@ log = logging.getLogger("monarch_kernel.worker")
 __all__ = ["WorkerIO"]
 
 
+def _peer_lead() -> bool:
+    """Whether threads that lead read peer lanes too (``MONARCH_PEER_LEAD``:
+    ``0`` leaves them to the peer I/O thread alone; anything else, or unset:
+    they do)."""
+    return os.environ.get("MONARCH_PEER_LEAD", "").strip() != "0"
+
+
 def _exit(code: int) -> None:
     """Leave the process now (no atexit handlers), removing its shared-memory files."""
     from . import shm
@@ -56,13 +67,20 @@ class WorkerIO:
     def _io_loop(self) -> None:
         self._last_heard = self._last_sent = time.monotonic()
         try:
+            lead_poller = None
             if self.lane is not None:  # one epoll_wait a step (transport.FdPoller)
                 poller: Any = FdPoller()
                 poller.register(self.lane.fileno(), zmq.POLLIN)
+                if poller.exclusive and _peer_lead():
+                    # the one actor's or a waiting caller's: the same, and peer lanes
+                    lead_poller = FdPoller()
+                    lead_poller.register(self.lane.fileno())
+                    lead_poller.register(self.pull)
             else:
                 poller = zmq.Poller()
                 poller.register(self.dealer, zmq.POLLIN)
             poller.register(self.pull, zmq.POLLIN)
+            self._lead_poller = lead_poller
             self._poller = poller
             while not self.stopping.is_set():
                 if self._want or time.monotonic() - self._led_at < 0.01:
@@ -73,6 +91,8 @@ class WorkerIO:
                     if not self._want:
                         held = self._flush_stale_replies()
                         self._leader = threading.get_ident()
+                        if self._lead_poller is not None:
+                            poller.touched(self.pull)  # (see _lead_while)
                         try:
                             self._io_step(20 if held else 100)
                         finally:
@@ -84,6 +104,8 @@ class WorkerIO:
             with self._lead:
                 if isinstance(self._poller, FdPoller):
                     self._poller.close()
+                if self._lead_poller is not None:
+                    self._lead_poller.close()
                 if self.dealer is not None:
                     self.dealer.close(0)
                 self.pull.close(0)
@@ -98,12 +120,16 @@ class WorkerIO:
                 log.debug("could not flush held replies", exc_info=True)
         return held
 
-    def wake(self) -> None:
-        """Wake the thread that leads from its poll (any thread)."""
+    def wake(self) -> bool:
+        """Wake the thread that leads from its poll (any thread; never blocks:
+        with as many wake-ups queued as the pipe holds, the leader has enough
+        to wake it, and it is the only thread that reads them). False if the
+        worker is closing."""
         try:
-            self.outbox.send([b""])
+            self.outbox.try_send([b""])
         except Exception:  # noqa: BLE001 - closing: nobody to wake
-            pass
+            return False
+        return True
 
     def lead_until(self, q: Any, actors: int = 1) -> bool:
         """Do the I/O in this thread until ``q`` has an item (an idle thread:
@@ -155,13 +181,14 @@ class WorkerIO:
             self._want += 1
         try:
             if not self._lead.acquire(blocking=False):
-                try:  # the I/O thread leaves its poll and steps back
-                    self.outbox.send([b""])
-                except Exception:  # noqa: BLE001 - closing
+                if not self.wake():  # the I/O thread leaves its poll and steps back
                     return None
                 if not self._lead.acquire(timeout=1.0):
                     return None
             outer, self._leader = self._leader, threading.get_ident()
+            poller = self._lead_poller or self._poller
+            if poller is not self._poller:
+                poller.touched(self.pull)  # (the other poller may have taken its signal)
             try:
                 while more():
                     if self.stopping.is_set() or len(self.actors) > actors or self._want > 1:
@@ -172,7 +199,7 @@ class WorkerIO:
                         if left <= 0:
                             return False
                         wait_ms = max(1, min(50, int(left * 1000)))
-                    self._io_step(wait_ms)
+                    self._io_step(wait_ms, poller)
                 return True
             finally:
                 self._leader = outer
@@ -182,10 +209,12 @@ class WorkerIO:
             with self._want_lock:
                 self._want -= 1
 
-    def _io_step(self, timeout_ms: int) -> None:
-        """One turn of the I/O (by whichever thread leads)."""
+    def _io_step(self, timeout_ms: int, poller: Any = None) -> None:
+        """One turn of the I/O (by whichever thread leads; ``poller``: the
+        I/O thread's, by default, or the one that watches peer lanes too)."""
         self.leave_if_forked(strict=False)  # (a forked child never does the worker's I/O)
-        events = dict(self._poller.poll(timeout_ms))
+        poller = poller or self._poller
+        events = dict(poller.poll(timeout_ms))
         if self.pull in events:
             for frames in drain(self.pull):
                 if len(frames) == 1 and not frames[0].buffer.nbytes:
@@ -199,10 +228,10 @@ class WorkerIO:
             if len(events) > (self.pull in events) + (lane_fd in events):
                 from .actor_peers import _host
 
-                if _host is not None:  # peer lanes (see the module docstring)
-                    for obj in events:
-                        if isinstance(obj, int) and obj != lane_fd:
-                            _host.read_shared(obj)
+                for obj in events:  # peer lanes (see the module docstring)
+                    if isinstance(obj, int) and obj != lane_fd and (
+                            _host is None or not _host.read_shared(obj)):
+                        poller.unregister(obj)  # (a lane closed meanwhile: the fd is stale)
         else:
             incoming = drain(self.dealer, small=1) if self.dealer in events else ()
         for frames in incoming:  # [envelope, buffers...]

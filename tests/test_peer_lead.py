@@ -172,3 +172,58 @@ def test_a_waiting_caller_times_out_on_time_and_can_wait_again():
         assert second == "done"
     finally:
         procs.stop()
+
+
+class Hog(Actor):
+    def __init__(self) -> None:
+        self.n = 0
+
+    @endpoint
+    def hog(self, n: int) -> int:
+        return sum(range(n))  # one C call: the GIL stays held throughout
+
+    @endpoint
+    def rec(self, i: int) -> None:
+        self.n += 1
+
+    @endpoint
+    def count(self) -> int:
+        return self.n
+
+    @endpoint
+    def flood(self, other, calls: int, hog: int) -> int:
+        """Keep ``other``'s thread in a GIL-holding call while ``calls`` calls
+        arrive for it; then wait for them all."""
+        busy = other.hog.call_one(hog)
+        time.sleep(0.05)
+        futures = [other.rec.call_one(i) for i in range(calls)]
+        busy.get(timeout=60)
+        for f in futures:
+            f.get(timeout=60)
+        return calls
+
+
+@pytest.mark.parametrize("caller", ["peer", "controller"])
+def test_a_flood_of_calls_to_an_actor_holding_the_gil_is_all_answered(caller):
+    # Thousands of calls came while the callee's thread held the GIL: whoever read
+    # them queued a wake-up for the actor's thread per call. Wake-ups blocked once
+    # the worker's wake pipe was full (2,000), in the very thread that would read
+    # them: the worker hung for good, deaf to its controller (helper-37's finding).
+    calls, hog = 6000, 30_000_000
+    procs = spawn_procs(2, telemetry_interval=0)
+    try:
+        hogs = procs.spawn("hog", Hog)
+        a, b = hogs.slice(procs=0), hogs.slice(procs=1)
+        for rnd in range(2):
+            if caller == "peer":
+                assert a.flood.call_one(b, calls, hog).get(timeout=120) == calls
+            else:
+                busy = b.hog.call_one(hog)
+                time.sleep(0.05)
+                futures = [b.rec.call_one(i) for i in range(calls)]
+                busy.get(timeout=60)
+                for f in futures:
+                    f.get(timeout=60)
+            assert b.count.call_one().get(timeout=30) == calls * (rnd + 1)
+    finally:
+        procs.stop()
