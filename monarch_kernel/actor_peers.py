@@ -165,6 +165,7 @@ class PeerHost:
         self._shared: dict[int, _lane.Lane] = {}
         self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
+        self._io_state: tuple | None = None  # the I/O thread's sockets, poller, lanes
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
         self._thread.start()
         _hosts.add(self)
@@ -267,7 +268,7 @@ class PeerHost:
         if lane is False:
             lane = self._connect(address)
         if lane is None:
-            self.outbox.send([b"d", address.encode(), *frames])
+            self._to_io([b"d", address.encode(), *frames])
             return
         try:
             lane.send(frames)
@@ -287,7 +288,18 @@ class PeerHost:
                 except TransportError:  # the caller is gone: nobody waits for this
                     pass
             return
-        self.outbox.send([b"r", *route, *frames])
+        self._to_io([b"r", *route, *frames])
+
+    def _to_io(self, parts: list[Any]) -> None:
+        """Hand ``parts`` to the I/O thread (any thread): through the outbox, or
+        at once when this is the I/O thread (serving a buffer read that came on
+        the ROUTER, say): through the outbox it would wait on itself once the
+        pipe is full, after some 2,000 such reads came at once."""
+        if threading.get_ident() == self._thread.ident and self._io_state is not None:
+            self._forward([p if isinstance(p, zmq.Frame) else zmq.Frame(p) for p in parts],
+                          *self._io_state)
+        else:
+            self.outbox.send(parts)
 
     def _connect(self, address: str) -> _lane.Lane | None:
         """The peer lane to ``address``, made now if it can be; None (kept, so
@@ -310,7 +322,7 @@ class PeerHost:
         if kept is not lane and lane is not None:
             lane.close()
         elif lane is not None:
-            self.outbox.send([b"n"])  # the I/O thread watches it from now on
+            self._to_io([b"n"])  # the I/O thread watches it from now on
         return kept
 
     def _limit(self) -> int:
@@ -334,7 +346,7 @@ class PeerHost:
                 if lane is not None:
                     self._dead_lanes.append(lane)
             if lane is not None:
-                self.outbox.send([b"n"])
+                self._to_io([b"n"])
         with self._lock:
             if address:
                 self.dead[address] = failure
@@ -356,6 +368,7 @@ class PeerHost:
         dealers: dict[str, zmq.Socket] = {}
         socks: dict[zmq.Socket, str] = {}  # dealer -> the peer address it is connected to
         lanes: dict[int, _lane.Lane] = {}  # fd -> lane (both ways)
+        self._io_state = (dealers, socks, poller, lanes)  # (for _to_io, in this thread)
         try:
             while True:
                 wait = 1000

@@ -216,3 +216,36 @@ def test_deadlines_fire_once_and_cancelled_ones_never() -> None:
     while d._thread is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d._thread is None
+
+
+class Owner(Actor):
+    @endpoint
+    def make(self) -> RDMABuffer:
+        self.a = np.arange(64, dtype=np.uint8)
+        return RDMABuffer(self.a)
+
+
+class Reader(Actor):
+    @endpoint
+    def flood(self, buf: RDMABuffer, n: int) -> int:
+        dsts = [np.zeros(64, np.uint8) for _ in range(n)]
+        futures = [buf.read_into(d) for d in dsts]  # all at once, then wait
+        for f in futures:
+            f.get(timeout=60)
+        return sum(int(d.sum()) for d in dsts)
+
+
+def test_thousands_of_reads_at_once_over_zeromq_are_all_served(monkeypatch) -> None:
+    # Over ZeroMQ (other hosts; here MONARCH_LANES=0) the owner's peer I/O thread
+    # served each read and queued its reply in its own outbox: past some 2,000
+    # reads at once it blocked on itself for good (3 runs of 3 on the code before).
+    monkeypatch.setenv("MONARCH_LANES", "0")
+    n = 12000
+    procs = spawn_procs(2, telemetry_interval=0)
+    try:
+        owner = procs.slice(procs=0).spawn("owner", Owner)
+        reader = procs.slice(procs=1).spawn("reader", Reader)
+        buf = owner.make.call_one().get(timeout=30)
+        assert reader.flood.call_one(buf, n).get(timeout=180) == n * sum(range(64))
+    finally:
+        procs.stop()
