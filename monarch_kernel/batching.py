@@ -125,7 +125,7 @@ class BatchingIO:
             if n == 1:  # a new batch: the I/O thread sends it within HOLD_S at the latest
                 self._resume.set()
                 try:
-                    self.outbox.send([b""])  # (out of a poll, if it leads)
+                    self.outbox.try_send([b""])  # (out of a poll, if it leads)
                 except TransportError:
                     pass
         return req

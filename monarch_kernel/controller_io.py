@@ -216,7 +216,7 @@ class ControllerIO:
         try:
             if not self._lead.acquire(blocking=False):
                 try:  # the I/O thread leaves its poll and steps back
-                    self.outbox.send([b""])
+                    self.outbox.try_send([b""])
                 except TransportError:
                     return None
                 # another thread may lead for long: our reply may come through it
@@ -343,7 +343,7 @@ class ControllerIO:
     def _wake_io(self) -> None:
         """Wake the thread that leads from its poll (any thread)."""
         try:
-            self.outbox.send([b""])
+            self.outbox.try_send([b""])
         except TransportError:  # closed: nothing to wake
             pass
 
