@@ -160,6 +160,13 @@ def _dismiss_dialogs(page) -> None:
             accept.first.click()
         else:
             page.keyboard.press("Escape")
+        # wait for it to go before looking again: a kernel dialog still closing was
+        # accepted three times, each starting a kernel that shut the one before down
+        # while Run All went to it (a failure under the full suite's load)
+        try:
+            dialog.first.wait_for(state="detached", timeout=10_000)
+        except Exception:  # noqa: BLE001 - still there: the next turn looks again
+            pass
         page.wait_for_timeout(500)
 
 
