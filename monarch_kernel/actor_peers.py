@@ -166,6 +166,7 @@ class PeerHost:
         self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
         self._io_state: tuple | None = None  # the I/O thread's sockets, poller, lanes
+        self._lanes_due = False  # the I/O thread owes itself an "n" (see _to_io)
         self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
         self._thread.start()
         _hosts.add(self)
@@ -296,6 +297,9 @@ class PeerHost:
         the ROUTER, say): through the outbox it would wait on itself once the
         pipe is full, after some 2,000 such reads came at once."""
         if threading.get_ident() == self._thread.ident and self._io_state is not None:
+            if parts[0] == b"n":  # (lanes to watch or close: at the top of the next turn,
+                self._lanes_due = True  # not from inside the handling of one of them)
+                return
             self._forward([p if isinstance(p, zmq.Frame) else zmq.Frame(p) for p in parts],
                           *self._io_state)
         else:
@@ -372,6 +376,9 @@ class PeerHost:
         try:
             while True:
                 wait = 1000
+                if self._lanes_due:  # (asked for by this thread: _to_io)
+                    self._lanes_due = False
+                    self._forward([zmq.Frame(b"n")], dealers, socks, poller, lanes)
                 if self._listen_paused:  # (out of fds a moment ago: see _accept)
                     left = self._listen_paused - time.monotonic()
                     if left <= 0:
@@ -479,7 +486,12 @@ class PeerHost:
         if wp is not None:
             with self._lanes_lock:
                 self._shared[fd] = lane
-            wp.register(fd, exclusive=True)
+            try:
+                wp.register(fd, exclusive=True)
+            except (OSError, ValueError):  # (the worker is stopping: its poller is closed)
+                with self._lanes_lock:
+                    self._shared.pop(fd, None)
+                wp = None
         lanes[fd] = lane
         poller.register(fd, exclusive=wp is not None)
 
@@ -491,7 +503,10 @@ class PeerHost:
         lane = self._shared.get(fd)
         if lane is None:
             return False
-        self.messages_led += self._drain(lane) or 0
+        n = self._drain(lane)
+        if n is None:
+            return True  # (the other thread reads it: it sees the end, if that is it)
+        self.messages_led += n
         if lane.eof and self._unshare(lane, fd):
             with self._lanes_lock:
                 self._dead_lanes.append(lane)
@@ -518,29 +533,47 @@ class PeerHost:
         all along (messages of one lane are handled in order, whichever of
         two threads reads them); how many it handled, or None, having read
         nothing, if another thread held it for READ_WAIT_S (``wait``: as
-        long as it takes). (Both polls are level-triggered: a short wait,
-        not a spin, while the other thread handles what it read, a buffer
-        read say.)"""
+        long as it takes).
+
+        A thread that gives up says so (``lane.missed``), and the holder
+        reads again before it lets go: with ``EPOLLEXCLUSIVE`` the input
+        that woke the one that gave up woke no other thread, and would
+        wait for the next message on the lane. Both sides decide under
+        ``lane.miss_lock``, so either the holder sees the flag or the other
+        gets the lane."""
         if not lane.read_lock.acquire(timeout=-1 if wait else READ_WAIT_S):
-            return None
+            with lane.miss_lock:
+                if not lane.read_lock.acquire(blocking=False):
+                    lane.missed = True
+                    return None
+        count = 0
+        held = True
         try:
-            messages: list[Any] = []
-            if not lane.eof:
-                try:
-                    messages = lane.read()
-                except Exception as e:  # noqa: BLE001 - over the limit, out of memory
-                    log.warning("rank %d dropped a peer lane: %s", self.rank, e)
-                    lane.eof = True
-            codec = self.codec if lane.identity else self._codec_of_addr.get(
-                self._lane_addrs.get(lane, ""), self.codec)
-            for frames in messages:
-                if lane.identity:
-                    self._incoming(frames, lane.identity)
-                else:
-                    self._reply(frames, codec)
+            while True:
+                messages: list[Any] = []
+                if not lane.eof:
+                    try:
+                        messages = lane.read()
+                    except Exception as e:  # noqa: BLE001 - over the limit, out of memory
+                        log.warning("rank %d dropped a peer lane: %s", self.rank, e)
+                        lane.eof = True
+                codec = self.codec if lane.identity else self._codec_of_addr.get(
+                    self._lane_addrs.get(lane, ""), self.codec)
+                for frames in messages:
+                    if lane.identity:
+                        self._incoming(frames, lane.identity)
+                    else:
+                        self._reply(frames, codec)
+                count += len(messages)
+                with lane.miss_lock:
+                    if not lane.missed:
+                        held = False
+                        lane.read_lock.release()
+                        return count
+                    lane.missed = False
         finally:
-            lane.read_lock.release()
-        return len(messages)
+            if held:
+                lane.read_lock.release()
 
     def _read_lane(self, lane: _lane.Lane, poller: FdPoller,
                    lanes: dict[int, _lane.Lane]) -> None:

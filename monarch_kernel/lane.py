@@ -154,6 +154,10 @@ class Lane:
         #: held by whoever reads (and handles what it read): a lane that two threads
         #: watch (a worker's peer lanes, monarch_kernel.actor_peers) is read by one at a time
         self.read_lock = threading.Lock()
+        #: a thread gave up waiting for read_lock: its holder reads again before letting
+        #: go (decided under miss_lock; see actor_peers.PeerHost._drain)
+        self.missed = False
+        self.miss_lock = threading.Lock()
         self._backlog: collections.deque[memoryview] = collections.deque()
         self._flusher: threading.Thread | None = None
         self._wake = threading.Condition(self._lock)

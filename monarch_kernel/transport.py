@@ -286,8 +286,8 @@ class FdPoller:
             fd = obj
         try:
             self._poll.unregister(fd)
-        except OSError:  # (epoll: closed already, which unregistered it)
-            pass
+        except (OSError, ValueError):  # (epoll: the fd closed already, which unregistered
+            pass  # it; ValueError: this poller was closed, by a thread that stopped)
 
     def close(self) -> None:
         """Release the epoll fd, if any (idempotent)."""
@@ -376,7 +376,9 @@ class Outbox:
         TransportError
             If the outbox is closed.
         """
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return False  # (another thread is sending: that message wakes the reader too)
+        try:
             if self._closed:
                 raise TransportError("the connection is closed")
             try:
@@ -384,6 +386,8 @@ class Outbox:
             except zmq.Again:
                 return False
             return True
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:

@@ -104,8 +104,9 @@ class WorkerIO:
             with self._lead:
                 if isinstance(self._poller, FdPoller):
                     self._poller.close()
-                if self._lead_poller is not None:
-                    self._lead_poller.close()
+                lead_poller, self._lead_poller = self._lead_poller, None
+                if lead_poller is not None:  # (peer threads may still touch it: see
+                    lead_poller.close()  # FdPoller.unregister; _watch stops sharing)
                 if self.dealer is not None:
                     self.dealer.close(0)
                 self.pull.close(0)

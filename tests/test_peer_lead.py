@@ -227,3 +227,54 @@ def test_a_flood_of_calls_to_an_actor_holding_the_gil_is_all_answered(caller):
             assert b.count.call_one().get(timeout=30) == calls * (rnd + 1)
     finally:
         procs.stop()
+
+
+def test_input_that_woke_a_thread_which_gave_up_the_lane_is_read_by_its_holder():
+    # Each lane is watched with EPOLLEXCLUSIVE: a message wakes one thread only.
+    # When that thread finds the lane held by the other reader (handling a long
+    # message) for READ_WAIT_S, it gives up; nothing would wake anyone for that
+    # message until the next one came. The holder must read again before it lets
+    # go. Real lanes over a socket pair; the host's handlers only record and, for
+    # the first message, take long (PeerHost._drain is what is tested).
+    from monarch_kernel import lane as lane_mod
+    from monarch_kernel.actor_peers import PeerHost
+
+    class Host:  # what _drain uses of a PeerHost
+        rank = 0
+        codec = None
+        _codec_of_addr: dict = {}
+        _lane_addrs: dict = {}
+
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+            self.first = threading.Event()
+            self.go_on = threading.Event()
+
+        def _incoming(self, frames, identity) -> None:
+            self.got.append(bytes(frames[0]))
+            if len(self.got) == 1:
+                self.first.set()
+                assert self.go_on.wait(30)
+
+    a, b = lane_mod.pair()
+    sender = lane_mod.Lane(a, "sender")
+    reader = lane_mod.Lane(b, "reader", identity=b"\0lane-test")
+    host = Host()
+    counts: list = []
+    try:
+        sender.send([b"first"])
+        holder = threading.Thread(target=lambda: counts.append(PeerHost._drain(host, reader)))
+        holder.start()
+        assert host.first.wait(30)  # the holder handles "first" and holds the lane
+        sender.send([b"second"])
+        time.sleep(0.05)  # (it has arrived)
+        assert PeerHost._drain(host, reader) is None  # gave up after READ_WAIT_S
+        assert reader.missed
+        host.go_on.set()
+        holder.join(30)
+        assert host.got == [b"first", b"second"] and counts == [2], (host.got, counts)
+        assert not reader.missed and not reader.read_lock.locked()
+    finally:
+        host.go_on.set()
+        sender.close()
+        reader.close()
