@@ -184,7 +184,8 @@ class WorkerIO:
             if not self._lead.acquire(blocking=False):
                 if not self.wake():  # the I/O thread leaves its poll and steps back
                     return None
-                if not self._lead.acquire(timeout=1.0):
+                wait_s = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if not self._lead.acquire(timeout=max(0.0, wait_s)):
                     return None
             outer, self._leader = self._leader, threading.get_ident()
             poller = self._lead_poller or self._poller
