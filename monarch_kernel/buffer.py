@@ -37,7 +37,7 @@ import threading
 from typing import Any
 
 from .errors import MeshError
-from .future import Future
+from .future import Future, check_timeout
 
 __all__ = ["RDMABuffer"]
 
@@ -199,7 +199,8 @@ class RDMABuffer:
         Raises
         ------
         ValueError, TypeError
-            At once, if ``dst`` is too small, not contiguous or not writable.
+            At once, if ``dst`` is too small, not contiguous or not writable,
+            or ``timeout`` is negative, NaN or not a number.
         MeshError
             Outside the ranks of a mesh. Through the future: MeshError if the
             buffer was dropped, MeshFailure if the owner died.
@@ -229,7 +230,8 @@ class RDMABuffer:
         Raises
         ------
         ValueError, TypeError
-            At once, if ``src`` is too large or not contiguous.
+            At once, if ``src`` is too large or not contiguous, or ``timeout``
+            is negative, NaN or not a number.
         MeshError
             Outside the ranks of a mesh; through the future as for
             :meth:`read_into`.
@@ -272,6 +274,7 @@ class RDMABuffer:
         return peer_host(w).address == self._address
 
     def _start(self, op: str, view: Any, timeout: float | None) -> Future[Any]:
+        timeout = check_timeout(timeout)  # (as Future.get's: clear, and at once)
         w = self._worker_of_mesh()
         if self._is_owner(w):  # the owner itself: a plain copy
             try:

@@ -43,7 +43,7 @@ from .batching import BatchingIO
 from .controller_io import ControllerIO, spin_seconds
 from .controller_output import RankOutput
 from .errors import MeshFailure, ProtocolError, TransportError
-from .lane import Lane, lanes_enabled
+from .lane import Lane, lanes_enabled, peer_lead_enabled
 from .lane import prepare as lane_prepare
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
@@ -89,7 +89,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         If the environment variable ``MONARCH_SPIN_US`` (how long, in
         microseconds, a caller looks for its reply before it sleeps; see
         :mod:`monarch_kernel.controller_io`) is not a number from 0 to 10000,
-        or ``MONARCH_LANES`` (:mod:`monarch_kernel.lane`) is not 0 or 1.
+        or ``MONARCH_LANES`` or ``MONARCH_PEER_LEAD`` (:mod:`monarch_kernel.lane`)
+        is not 0 or 1.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self.spin_s = spin_seconds()
         #: local workers talk to this controller through lanes (monarch_kernel.lane)
         self.use_lanes = lanes_enabled()
+        peer_lead_enabled()  # (refused now, if set wrong: the workers read it)
         self._lanes: dict[int, Lane] = {}  # fd -> lane (the thread that leads only)
         self._lane_of: dict[int, Lane] = {}  # rank -> its current lane
         self._new_lanes: list[Lane] = []

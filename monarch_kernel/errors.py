@@ -24,6 +24,7 @@ controller (the idea comes from ipyparallel's ``RemoteError`` and
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -148,6 +149,17 @@ class RemoteError(MonarchError):
         return (_rebuild_remote, (base, getattr(cls, "_monarch_original", None), self.args,
                                   dict(self.__dict__)))
 
+    def __getattr__(self, name: str) -> Any:
+        # ``__notes__`` (PEP 678), made when first asked for, which is when Python
+        # prints an uncaught exception or traceback.format_exception formats it: the
+        # remote traceback, which IPython shows through _render_traceback_, shown in a
+        # plain script too. Kept in the instance, so add_note() adds to it.
+        if name == "__notes__":
+            notes = ["\n".join(_ANSI.sub("", line) for line in self._render_traceback_())]
+            self.__dict__["__notes__"] = notes
+            return notes
+        raise AttributeError(name)
+
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""
         head = f"{_ranks_label(self.ranks)}"
@@ -160,6 +172,9 @@ class RemoteError(MonarchError):
             lines.append("")
             lines.extend(other._render_traceback_())
         return lines
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class ActorError(RemoteError):

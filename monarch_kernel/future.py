@@ -18,6 +18,7 @@ from PyTorch Monarch's ``Future``; its thread-safety model from
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -25,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from .flag import Flag
 
-__all__ = ["Future"]
+__all__ = ["Future", "check_timeout"]
 
 T = TypeVar("T")
 
@@ -34,6 +35,27 @@ _NOT_YET = object()
 #: seconds a wait lasts before the guard's ``watch`` is told (see Future)
 WATCH_AFTER_S = 0.02
 
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
+    """``timeout`` as seconds (a float), or None (no limit).
+
+    Raises
+    ------
+    TypeError
+        If it is not a real number (or None).
+    ValueError
+        If it is negative or NaN.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} is a number of seconds, or None to wait as long as it "
+                        f"takes; got {timeout!r} ({type(timeout).__name__})")
+    if not timeout >= 0:
+        raise ValueError(f"{what} is in seconds, >= 0, or None to wait as long as it "
+                         f"takes; got {timeout!r}")
+    return float(timeout)
 
 class Future(Generic[T]):
     """The eventual result of an actor call.
@@ -189,9 +211,7 @@ class Future(Generic[T]):
         TypeError
             If ``timeout`` is not a number.
         """
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout is in seconds, >= 0, or None to wait as long as it "
-                             f"takes; got {timeout!r}")
+        timeout = check_timeout(timeout)
         ev = self._event
         if not ev.is_set():
             watch = self._guard() if self._guard is not None else None

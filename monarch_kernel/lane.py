@@ -51,7 +51,7 @@ from typing import Any
 from .errors import ProtocolError, TransportError
 from .sigint import DeferredSigint
 
-__all__ = ["Lane", "lanes_enabled", "pair", "prepare", "set_buffers"]
+__all__ = ["Lane", "lanes_enabled", "pair", "peer_lead_enabled", "prepare", "set_buffers"]
 
 _COUNT = struct.Struct("<I")
 #: structs of frame lengths, by (prefix, number of frames): "<I" for a message's
@@ -94,6 +94,24 @@ def lanes_enabled(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     raise ValueError(f"MONARCH_LANES must be 0 (local workers use ZeroMQ) or 1 (lanes, "
                      f"the default), not {raw!r}")
+
+
+def peer_lead_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a worker's waiting threads read its peer lanes themselves
+    (``MONARCH_PEER_LEAD``, default on; :mod:`monarch_kernel.worker_io`).
+
+    Raises
+    ------
+    ValueError
+        If ``MONARCH_PEER_LEAD`` is set to something other than 0 or 1.
+    """
+    raw = environ.get("MONARCH_PEER_LEAD", "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw == "0":
+        return False
+    raise ValueError(f"MONARCH_PEER_LEAD must be 0 (only a worker's peer thread reads its "
+                     f"peer lanes) or 1 (its waiting threads too, the default), not {raw!r}")
 
 
 def pair() -> tuple[socket.socket, socket.socket]:

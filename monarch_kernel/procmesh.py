@@ -110,7 +110,7 @@ class ProcMesh:
     def _check(self) -> None:
         root = self.root
         if root._stopped:
-            raise MeshFailure("this mesh was stopped; spawn a new one (%mesh spawn N)")
+            raise MeshFailure("this mesh was stopped; spawn a new one (spawn_procs(...), or %mesh spawn N in the kernel)")
         if not root.ready.is_set() and not root.ready.wait(root.controller.restart_timeout):
             raise MeshFailure("ranks of this mesh are still being restarted after "
                               f"{root.controller.restart_timeout:.0f} s")

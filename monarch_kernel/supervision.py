@@ -64,7 +64,7 @@ def restart_ranks(mesh: ProcMesh, ranks: list[int], timeout: float = 120.0) -> N
     """
     root = mesh.root
     if root._stopped:
-        raise MeshError("this mesh was stopped; spawn a new one (%mesh spawn N)")
+        raise MeshError("this mesh was stopped; spawn a new one (spawn_procs(...), or %mesh spawn N in the kernel)")
     for r in ranks:
         if r not in root.controller.ranks:
             raise MeshError(f"rank {r} is not part of this mesh (ranks 0 to "

@@ -45,10 +45,14 @@ __all__ = ["WorkerIO"]
 
 
 def _peer_lead() -> bool:
-    """Whether threads that lead read peer lanes too (``MONARCH_PEER_LEAD``:
-    ``0`` leaves them to the peer I/O thread alone; anything else, or unset:
-    they do)."""
-    return os.environ.get("MONARCH_PEER_LEAD", "").strip() != "0"
+    """Whether threads that lead read peer lanes too (``MONARCH_PEER_LEAD``,
+    checked when the mesh was spawned: a bad value here leaves them off)."""
+    from .lane import peer_lead_enabled
+
+    try:
+        return peer_lead_enabled()
+    except ValueError:
+        return False
 
 
 def _exit(code: int) -> None:

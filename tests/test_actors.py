@@ -333,8 +333,26 @@ def test_timeout_leaves_the_future_usable(counters):
     with pytest.raises(TimeoutError, match="call get\\(\\) again"):
         fut.get(timeout=0.01)
     assert not fut.done()
+    for bad, err in ((-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
+                     (True, TypeError)):
+        with pytest.raises(err, match="timeout is .*seconds"):
+            fut.get(timeout=bad)
     assert fut.get(timeout=30) == 0
     assert fut.get(timeout=0) == 0  # a done future answers at once, any number of times
+
+
+def test_a_plain_script_shows_the_remote_traceback(counters):
+    # IPython shows it through _render_traceback_; Python's own printing of an
+    # uncaught exception, and traceback.format_exception, through __notes__
+    import traceback
+
+    with pytest.raises(KeyError) as ei:
+        counters.slice(procs=1).fail.call_one("key").get(timeout=30)
+    text = "".join(traceback.format_exception(ei.value))
+    assert "rank 1 (actor " in text and "raised KeyError" in text, text
+    assert 'return {}["missing"]' in text and "in fail" in text, text
+    ei.value.add_note("and a note of the caller's")  # (notes stay a list one can add to)
+    assert "and a note of the caller's" in "".join(traceback.format_exception(ei.value))
 
 
 # --------------------------------------------------------------- errors

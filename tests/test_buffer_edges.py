@@ -249,3 +249,17 @@ def test_thousands_of_reads_at_once_over_zeromq_are_all_served(monkeypatch) -> N
         assert reader.flood.call_one(buf, n).get(timeout=180) == n * sum(range(64))
     finally:
         procs.stop()
+
+
+def test_a_bad_timeout_is_refused_at_once_as_by_future_get() -> None:
+    procs = spawn_procs(1, telemetry_interval=0)
+    try:
+        buf = procs.spawn("owner", Owner).make.call_one().get(timeout=30)
+        dst = np.zeros(64, np.uint8)
+        for bad, err in ((-1, ValueError), (float("nan"), ValueError), ("5", TypeError)):
+            with pytest.raises(err, match="timeout is .*seconds"):
+                buf.read_into(dst, timeout=bad)
+            with pytest.raises(err, match="timeout is .*seconds"):
+                buf.write_from(dst, timeout=bad)
+    finally:
+        procs.stop()

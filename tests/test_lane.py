@@ -61,6 +61,21 @@ def test_lanes_enabled_reads_the_environment() -> None:
         lanes_enabled({"MONARCH_LANES": "yes"})
 
 
+def test_peer_lead_is_0_or_1_and_a_mesh_with_another_value_is_refused(monkeypatch) -> None:
+    from monarch_kernel import spawn_procs
+    from monarch_kernel.lane import peer_lead_enabled
+
+    assert peer_lead_enabled({}) is True
+    assert peer_lead_enabled({"MONARCH_PEER_LEAD": " 1"}) is True
+    assert peer_lead_enabled({"MONARCH_PEER_LEAD": "0 "}) is False
+    for bad in ("off", "false", "2"):
+        with pytest.raises(ValueError, match="MONARCH_PEER_LEAD must be 0"):
+            peer_lead_enabled({"MONARCH_PEER_LEAD": bad})
+    monkeypatch.setenv("MONARCH_PEER_LEAD", "off")  # (it read as on, silently, before)
+    with pytest.raises(ValueError, match="MONARCH_PEER_LEAD must be 0"):
+        spawn_procs(1)
+
+
 def test_small_messages_keep_their_frames_and_order() -> None:
     a, b = _lanes()
     try:
