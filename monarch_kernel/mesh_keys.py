@@ -57,12 +57,19 @@ def check_known(w: Any, mesh: str | None, what: str) -> None:
 
     Raises
     ------
+    MeshFailure
+        If that mesh was one of this program's and was stopped (as the
+        controller raises for a stopped mesh).
     MeshError
         Naming ``what`` (an actor mesh, a buffer) and what to do instead.
     """
     if mesh is None or mesh == w.codec.fingerprint or mesh in getattr(w, "keyring", {}):
         return
-    from .errors import MeshError
+    from .errors import MeshError, MeshFailure
+
+    if mesh in getattr(w, "dropped_keys", ()):
+        raise MeshFailure(f"{what} is on a process mesh of this program that was stopped "
+                          "(spawn a new one: spawn_procs(...))")
 
     raise MeshError(
         f"{what} runs on another process mesh than this worker (rank {w.rank}), one that "
