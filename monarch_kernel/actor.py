@@ -71,7 +71,7 @@ from .actor_cycles import WaitCycleError
 from .actor_host import Packed, actor_point, context, dispatch_call, spawn_local, stop_local
 from .actor_replies import CallOutput, raise_failures, show_display
 from .controller import Request
-from .errors import ActorError, MeshError, MeshFailure
+from .errors import ActorError, MeshError, MeshFailure, _ranks_label
 from .future import Future
 from .mesh import Point, Shape, ValueMesh
 from .serialize import cuda_ipc
@@ -428,14 +428,15 @@ class ActorMesh(Generic[A]):
         with rec.lock:
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
+        what = f"{rec.name}.{method} on {_ranks_label(ranks)}"  # (named by a timeout)
         if rec.procmesh is not None:  # its controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
-                                      resume=ctl.resume_io)
-        else:
+                                      resume=ctl.resume_io, what=what)
+        else:  # (req.waiter: worker_io.lead_wait, or None)
             guard = actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers)
-            fut = Future(guard=guard, waiter=req.waiter)  # (worker_io.lead_wait, or None)
+            fut = Future(guard=guard, waiter=req.waiter, what=what)
 
         def done(q: Request, pinned: tuple = (args, kwargs)) -> None:
             # ``pinned``: handles (tensors.Ref) among the arguments stay alive, so their

@@ -57,6 +57,7 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
                          f"takes; got {timeout!r}")
     return float(timeout)
 
+
 class Future(Generic[T]):
     """The eventual result of an actor call.
 
@@ -74,10 +75,13 @@ class Future(Generic[T]):
     waiter : callable(event, timeout) -> bool, optional
         Blocks until the completion event is set or ``timeout`` seconds pass
         (default ``event.wait``); the controller's ``wait_for`` reads the
-        reply in the waiting thread itself.
+        reply in the waiting thread itself, as a worker's ``lead_wait`` does.
     resume : callable() -> None, optional
         Called before a coroutine awaits: it cannot read the reply itself,
         so the controller's I/O thread must (``Controller.resume_io``).
+    what : str, optional
+        What it waits for (``"trainers.step on rank 1"``), named by the
+        TimeoutError of :meth:`get`.
 
     Notes
     -----
@@ -96,12 +100,14 @@ class Future(Generic[T]):
         "_pump",
         "_resume",
         "_waiter",
+        "_what",
     )
 
     def __init__(self, pump: Callable[[bool], None] | None = None,
                  guard: Callable[[], None] | None = None,
                  waiter: Callable[[Flag, float | None], bool] | None = None,
-                 resume: Callable[[], None] | None = None) -> None:
+                 resume: Callable[[], None] | None = None, what: str = "") -> None:
+        self._what = what  # what it waits for (``mesh.method on rank 1``), for a timeout
         self._event = Flag()
         self._waiter = waiter
         self._resume = resume
@@ -220,7 +226,7 @@ class Future(Generic[T]):
                 self._wait_watched(ev, wait, timeout, watch)
             elif self._pump is None:
                 if not wait(ev, timeout):
-                    raise _timeout(timeout)
+                    raise _timeout(timeout, self._what)
             else:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while True:
@@ -231,7 +237,7 @@ class Future(Generic[T]):
                         break
                     self._pump(False)
                     if deadline is not None and time.monotonic() >= deadline:
-                        raise _timeout(timeout)
+                        raise _timeout(timeout, self._what)
         if self._pump is not None:
             self._pump(True)
         return self._result()
@@ -258,7 +264,7 @@ class Future(Generic[T]):
                 if self._pump is not None:
                     self._pump(False)
                 if deadline is not None and now >= deadline:
-                    raise _timeout(timeout)
+                    raise _timeout(timeout, self._what)
                 if watch_at is not None and now >= watch_at:
                     watch_at = None
                     watch(True)
@@ -329,7 +335,7 @@ def _resolve(waiter: asyncio.Future[Any]) -> None:
         waiter.set_result(None)
 
 
-def _timeout(timeout: float | None) -> TimeoutError:
+def _timeout(timeout: float | None, what: str = "") -> TimeoutError:
     return TimeoutError(
-        f"no result within {timeout:g} s; the call goes on: call get() again to keep waiting"
-    )
+        f"no result{' from ' + what if what else ''} within {timeout:g} s; the call goes "
+        "on: call get() again to keep waiting")
