@@ -319,13 +319,9 @@ class PeerHost(PeerIO):
             mesh = None
         if mesh is not None and address:  # (no reply comes from there any more)
             self._codec_of_addr.pop(address, None)
-        if address:
-            with self._lanes_lock:  # (a hung process's lane: closed by the I/O thread)
-                lane = self._lane_to.get(address)
-                if lane is not None:
-                    self._dead_lanes.append(lane)
-            if lane is not None:
-                self._to_io([b"n"])
+        lane = self._lane_to.get(address) if address else None
+        if lane is not None:  # (a hung process's lane: closed by the I/O thread)
+            self._close_later(lane)
         with self._lock:
             if address:
                 self.dead[address] = failure

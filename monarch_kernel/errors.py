@@ -45,6 +45,11 @@ __all__ = [
 ]
 
 
+#: what a call on a stopped mesh says (procmesh, supervision)
+MESH_STOPPED = (
+    "this mesh was stopped; spawn a new one (spawn_procs(...), or %mesh spawn N in the kernel)")
+
+
 class MonarchError(Exception):
     """Base class of every error raised by monarch_kernel."""
 

@@ -37,7 +37,7 @@ WATCH_AFTER_S = 0.02
 
 
 
-def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
+def check_timeout(timeout: Any) -> float | None:
     """``timeout`` as seconds (a float), or None (no limit).
 
     Raises
@@ -50,10 +50,10 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"{what} is a number of seconds, or None to wait as long as it "
+        raise TypeError(f"timeout is a number of seconds, or None to wait as long as it "
                         f"takes; got {timeout!r} ({type(timeout).__name__})")
     if not timeout >= 0:
-        raise ValueError(f"{what} is in seconds, >= 0, or None to wait as long as it "
+        raise ValueError(f"timeout is in seconds, >= 0, or None to wait as long as it "
                          f"takes; got {timeout!r}")
     return float(timeout)
 

@@ -87,13 +87,7 @@ def lanes_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     ValueError
         If ``MONARCH_LANES`` is set to something other than 0 or 1.
     """
-    raw = environ.get("MONARCH_LANES", "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise ValueError(f"MONARCH_LANES must be 0 (local workers use ZeroMQ) or 1 (lanes, "
-                     f"the default), not {raw!r}")
+    return _zero_or_one(environ, "MONARCH_LANES", "local workers use ZeroMQ", "lanes")
 
 
 def peer_lead_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -105,13 +99,21 @@ def peer_lead_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     ValueError
         If ``MONARCH_PEER_LEAD`` is set to something other than 0 or 1.
     """
-    raw = environ.get("MONARCH_PEER_LEAD", "").strip()
+    return _zero_or_one(environ, "MONARCH_PEER_LEAD",
+                        "only a worker's peer thread reads its peer lanes",
+                        "its waiting threads too")
+
+
+def _zero_or_one(environ: Mapping[str, str], name: str, off: str, on: str) -> bool:
+    """An on/off switch from the environment: 1, empty or unset (on), or 0
+    (spaces around are ignored); anything else is a ValueError saying what
+    each value means."""
+    raw = environ.get(name, "").strip()
     if raw in ("", "1"):
         return True
     if raw == "0":
         return False
-    raise ValueError(f"MONARCH_PEER_LEAD must be 0 (only a worker's peer thread reads its "
-                     f"peer lanes) or 1 (its waiting threads too, the default), not {raw!r}")
+    raise ValueError(f"{name} must be 0 ({off}) or 1 ({on}, the default), not {raw!r}")
 
 
 def pair() -> tuple[socket.socket, socket.socket]:

@@ -69,7 +69,7 @@ class PeerIO:
                 wait = 1000
                 if self._lanes_due:  # (asked for by this thread: _to_io)
                     self._lanes_due = False
-                    self._forward([zmq.Frame(b"n")], dealers, socks, poller, lanes)
+                    self._update_lanes(poller, lanes)
                 if self._listen_paused:  # (out of fds a moment ago: see _accept)
                     left = self._listen_paused - time.monotonic()
                     if left <= 0:
@@ -102,16 +102,8 @@ class PeerIO:
                  lanes: dict[int, _lane.Lane]) -> None:
         kind = frames[0].bytes
         try:
-            if kind == b"n":  # new peer lanes made by callers: watch them; dead ones: close
-                with self._lanes_lock:
-                    new, self._new_lanes = self._new_lanes, []
-                    dead, self._dead_lanes = self._dead_lanes, []
-                for lane in new:
-                    self._watch(lane, poller, lanes)
-                for lane in dead:
-                    if lanes.get(lane.fileno()) is lane:
-                        lane.eof = True
-                        self._read_lane(lane, poller, lanes)  # (at eof: forgets and closes it)
+            if kind == b"n":
+                self._update_lanes(poller, lanes)
                 return
             if kind == b"r":
                 send_frames(self.router, frames[1:], zmq.NOBLOCK)
@@ -130,6 +122,28 @@ class PeerIO:
             self.messages_out += 1
         except zmq.ZMQError as e:  # the peer is gone or not reading: never block here
             log.warning("rank %d dropped a message to a peer: %s", self.rank, e)
+
+    def _update_lanes(self, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
+        """Watch the peer lanes that callers made; close those to dead ranks (the
+        I/O thread, told by an ``n``)."""
+        with self._lanes_lock:
+            new, self._new_lanes = self._new_lanes, []
+            dead, self._dead_lanes = self._dead_lanes, []
+        for lane in new:
+            self._watch(lane, poller, lanes)
+        for lane in dead:
+            if lanes.get(lane.fileno()) is lane:
+                lane.eof = True
+                self._read_lane(lane, poller, lanes)  # (at eof: forgets and closes it)
+
+    def _close_later(self, lane: _lane.Lane) -> None:
+        """Have the I/O thread close ``lane`` (any thread)."""
+        with self._lanes_lock:
+            self._dead_lanes.append(lane)
+        try:
+            self._to_io([b"n"])
+        except TransportError:  # (closing: the I/O thread closes them all)
+            pass
 
     def _accept(self, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
         """Take the connections waiting on the lane listener (the I/O thread)."""
@@ -158,10 +172,10 @@ class PeerIO:
             self._watch(lane, poller, lanes)
 
     def _worker_poller(self) -> FdPoller | None:
-        """The worker's own poller, where peer lanes may be watched too: an
-        epoll one that can watch them exclusively (else None)."""
-        p = getattr(self.worker, "_lead_poller", None)
-        return p if isinstance(p, FdPoller) else None
+        """The worker's lead poller, where peer lanes are watched too (None: the
+        worker has none: ZeroMQ to its controller, no EPOLLEXCLUSIVE,
+        MONARCH_PEER_LEAD=0, or stopping)."""
+        return getattr(self.worker, "_lead_poller", None)
 
     def _watch(self, lane: _lane.Lane, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
         """Watch a new peer lane (the I/O thread): in the worker's poller first,
@@ -199,12 +213,7 @@ class PeerIO:
             return True  # (the other thread reads it: it sees the end, if that is it)
         self.messages_led += n
         if lane.eof and self._unshare(lane, fd):
-            with self._lanes_lock:
-                self._dead_lanes.append(lane)
-            try:
-                self.outbox.send([b"n"])
-            except TransportError:  # (closing)
-                pass
+            self._close_later(lane)
         return True
 
     def _unshare(self, lane: _lane.Lane, fd: int) -> bool:
@@ -239,6 +248,8 @@ class PeerIO:
                     return None
         count = 0
         held = True
+        codec = self.codec if lane.identity else self._codec_of_addr.get(
+            self._lane_addrs.get(lane, ""), self.codec)
         try:
             while True:
                 messages: list[Any] = []
@@ -248,8 +259,6 @@ class PeerIO:
                     except Exception as e:  # noqa: BLE001 - over the limit, out of memory
                         log.warning("rank %d dropped a peer lane: %s", self.rank, e)
                         lane.eof = True
-                codec = self.codec if lane.identity else self._codec_of_addr.get(
-                    self._lane_addrs.get(lane, ""), self.codec)
                 for frames in messages:
                     if lane.identity:
                         self._incoming(frames, lane.identity)

@@ -18,6 +18,7 @@ from typing import Any
 from .controller import Controller, Request
 from .dist_setup import DIST_BACKENDS, setup_mesh
 from .errors import (
+    MESH_STOPPED,
     MeshError,
     MeshFailure,
     RankSpecError,
@@ -110,7 +111,7 @@ class ProcMesh:
     def _check(self) -> None:
         root = self.root
         if root._stopped:
-            raise MeshFailure("this mesh was stopped; spawn a new one (spawn_procs(...), or %mesh spawn N in the kernel)")
+            raise MeshFailure(MESH_STOPPED)
         if not root.ready.is_set() and not root.ready.wait(root.controller.restart_timeout):
             raise MeshFailure("ranks of this mesh are still being restarted after "
                               f"{root.controller.restart_timeout:.0f} s")

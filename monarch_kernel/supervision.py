@@ -26,7 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import MeshError
+from .errors import MESH_STOPPED, MeshError
 
 if TYPE_CHECKING:
     from .procmesh import ProcMesh
@@ -64,7 +64,7 @@ def restart_ranks(mesh: ProcMesh, ranks: list[int], timeout: float = 120.0) -> N
     """
     root = mesh.root
     if root._stopped:
-        raise MeshError("this mesh was stopped; spawn a new one (spawn_procs(...), or %mesh spawn N in the kernel)")
+        raise MeshError(MESH_STOPPED)
     for r in ranks:
         if r not in root.controller.ranks:
             raise MeshError(f"rank {r} is not part of this mesh (ranks 0 to "

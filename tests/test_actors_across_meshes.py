@@ -17,6 +17,7 @@ import time
 
 import cloudpickle
 import pytest
+from test_peer_calls import Sleeper, Waiter
 
 from monarch_kernel import Actor, MeshError, MeshFailure, endpoint, this_host
 from monarch_kernel.testing import wait_for
@@ -43,18 +44,8 @@ class Echo(Actor):
         """Calls ``other``'s ask, which calls ``me`` (this mesh's) back: 7 + 1."""
         return other.ask.call_one(me, 7).get(timeout=30) + 1
 
-    @endpoint
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-    @endpoint
-    def wait_on(self, other) -> str:
-        """Call ``other``'s 60 s sleep; how the wait ended."""
-        try:
-            other.sleep.call_one(60).get(timeout=90)
-            return "returned"
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            return f"{type(e).__name__}: {e}"
+    sleep = Sleeper.sleep
+    wait_on = Waiter.wait_on  # (other's 60 s sleep: how the wait ended)
 
 
 @pytest.mark.parametrize("lanes", ["1", "0"], ids=["peer-lanes", "zeromq"])
