@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from monarch_kernel.lane import lanes_enabled
+from monarch_kernel.switches import lanes_enabled
 
 from . import actor_peers, ours, paired, peers, raw_zmq
 

@@ -43,11 +43,12 @@ from .batching import BatchingIO
 from .controller_io import ControllerIO, spin_seconds
 from .controller_output import RankOutput
 from .errors import MeshFailure, ProtocolError, TransportError
-from .lane import Lane, lanes_enabled, peer_lead_enabled
+from .lane import Lane
 from .lane import prepare as lane_prepare
 from .request import RankInfo, Request, _Pipe
 from .serialize import cuda_ipc
 from .sigint import DeferredSigint
+from .switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 from .transport import FdPoller, Outbox, bind_router, inproc_pair, is_loopback, send_frames
 
 log = logging.getLogger("monarch_kernel.controller")
@@ -105,7 +106,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self.spin_s = spin_seconds()
         #: local workers talk to this controller through lanes (monarch_kernel.lane)
         self.use_lanes = lanes_enabled()
-        peer_lead_enabled()  # (refused now, if set wrong: the workers read it)
+        peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
+        sched_batch_enabled()
         self._lanes: dict[int, Lane] = {}  # fd -> lane (the thread that leads only)
         self._lane_of: dict[int, Lane] = {}  # rank -> its current lane
         self._new_lanes: list[Lane] = []

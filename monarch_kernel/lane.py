@@ -45,13 +45,12 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 from .errors import ProtocolError, TransportError
 from .sigint import DeferredSigint
 
-__all__ = ["Lane", "lanes_enabled", "pair", "peer_lead_enabled", "prepare", "set_buffers"]
+__all__ = ["Lane", "pair", "prepare", "set_buffers"]
 
 _COUNT = struct.Struct("<I")
 #: structs of frame lengths, by (prefix, number of frames): "<I" for a message's
@@ -77,43 +76,6 @@ _IOV_MAX = 512  # frames gathered by one sendmsg at most (Linux allows 1024)
 #: frames a message may have on a lane with a limit (a protocol message has one
 #: envelope and at most 65535 buffers)
 MAX_FRAMES = 1 << 16
-
-
-def lanes_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether local workers get a lane (``MONARCH_LANES``, default on).
-
-    Raises
-    ------
-    ValueError
-        If ``MONARCH_LANES`` is set to something other than 0 or 1.
-    """
-    return _zero_or_one(environ, "MONARCH_LANES", "local workers use ZeroMQ", "lanes")
-
-
-def peer_lead_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a worker's waiting threads read its peer lanes themselves
-    (``MONARCH_PEER_LEAD``, default on; :mod:`monarch_kernel.worker_io`).
-
-    Raises
-    ------
-    ValueError
-        If ``MONARCH_PEER_LEAD`` is set to something other than 0 or 1.
-    """
-    return _zero_or_one(environ, "MONARCH_PEER_LEAD",
-                        "only a worker's peer thread reads its peer lanes",
-                        "its waiting threads too")
-
-
-def _zero_or_one(environ: Mapping[str, str], name: str, off: str, on: str) -> bool:
-    """An on/off switch from the environment: 1, empty or unset (on), or 0
-    (spaces around are ignored); anything else is a ValueError saying what
-    each value means."""
-    raw = environ.get(name, "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise ValueError(f"{name} must be 0 ({off}) or 1 ({on}, the default), not {raw!r}")
 
 
 def pair() -> tuple[socket.socket, socket.socket]:

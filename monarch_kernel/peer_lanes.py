@@ -21,6 +21,7 @@ import struct
 import sys
 
 from . import lane as _lane
+from .switches import lanes_enabled
 
 log = logging.getLogger("monarch_kernel.actor")
 
@@ -45,7 +46,7 @@ def enabled() -> bool:
     if not sys.platform.startswith("linux") or not hasattr(socket, "SO_PEERCRED"):
         return False
     try:
-        return _lane.lanes_enabled()
+        return lanes_enabled()
     except ValueError as e:  # (the controller refuses such a value before it spawns)
         log.warning("%s: peer lanes off", e)
         return False

@@ -51,6 +51,7 @@ from .capture import FdCapture
 from .dist_setup import init_rank
 from .errors import RemoteError, SerializationError, _ranks_label
 from .lane import Lane
+from .sched import batch_scheduling
 from .serialize import cuda_ipc, reply_content
 from .transport import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
 from .worker_io import WorkerIO, _exit
@@ -507,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     (hex) and removed from the environment before any user code runs.
     """
     global current
+    batch_scheduling()  # (before any thread starts: they inherit the policy)
     p = argparse.ArgumentParser(prog="python -m monarch_kernel.worker")
     p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     p.add_argument("--rank", type=int, required=True)

@@ -47,7 +47,7 @@ __all__ = ["WorkerIO"]
 def _peer_lead() -> bool:
     """Whether threads that lead read peer lanes too (``MONARCH_PEER_LEAD``,
     checked when the mesh was spawned: a bad value here leaves them off)."""
-    from .lane import peer_lead_enabled
+    from .switches import peer_lead_enabled
 
     try:
         return peer_lead_enabled()

@@ -24,8 +24,9 @@ import zmq
 
 from monarch_kernel import Actor, endpoint
 from monarch_kernel.errors import TransportError
-from monarch_kernel.lane import Lane, lanes_enabled, pair
+from monarch_kernel.lane import Lane, pair
 from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.switches import lanes_enabled
 from monarch_kernel.testing import wait_for, worker_pids
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
@@ -63,7 +64,7 @@ def test_lanes_enabled_reads_the_environment() -> None:
 
 def test_peer_lead_is_0_or_1_and_a_mesh_with_another_value_is_refused(monkeypatch) -> None:
     from monarch_kernel import spawn_procs
-    from monarch_kernel.lane import peer_lead_enabled
+    from monarch_kernel.switches import peer_lead_enabled
 
     assert peer_lead_enabled({}) is True
     assert peer_lead_enabled({"MONARCH_PEER_LEAD": " 1"}) is True

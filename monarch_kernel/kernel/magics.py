@@ -24,11 +24,11 @@ from ..controller_io import spin_seconds
 from ..debug.console import report_quits
 from ..debug.registry import registry_for
 from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
-from ..lane import lanes_enabled
 from ..launchers import get_launcher
 from ..mesh import ValueMesh, parse_ranks
 from ..output import BackgroundOutput, RankPrinter, write_stream
 from ..procmesh import ProcMesh, spawn_procs
+from ..switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 from .debug_bridge import cell_console, debug_command  # also serves paused actor calls
 
 __all__ = ["MeshMagics"]
@@ -228,7 +228,9 @@ class MeshMagics(Magics):
         try:  # before the previous mesh is stopped: a typo must not cost the running mesh
             launcher = get_launcher(a.launcher, **launcher_options)
             spin_seconds()  # (MONARCH_SPIN_US, read by the mesh's controller)
-            lanes_enabled()  # (MONARCH_LANES, likewise)
+            lanes_enabled()  # (MONARCH_LANES, ...: likewise)
+            peer_lead_enabled()
+            sched_batch_enabled()
         except (ValueError, TypeError) as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         old = self.meshes.pop(a.name, None)
