@@ -21,7 +21,7 @@ from typing import Any
 
 from monarch_kernel.switches import lanes_enabled
 
-from . import actor_peers, ours, paired, peers, raw_zmq
+from . import actor_peers, bare_echo, ours, paired, peers, raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "peer_call_p50_us", "calls_per_s",
            "tensor_gbps", "p2p_gbps", "rdma_gbps", "spawn_s"]
@@ -100,9 +100,11 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
     result["fanout"] = fan
     raw = raw_zmq.fanout(sizes, calls=50 if quick else 200)
     result["fanout_raw_pyzmq"] = raw
+    bare = bare_echo.fanout(sizes, calls=50 if quick else 200)
+    result["fanout_bare_python"] = bare
     if "bcast_p50_us_n64" in fan:
-        fan["ratio_n64_to_n1"] = fan["bcast_p50_us_n64"] / fan["bcast_p50_us_n1"]
-        raw["ratio_n64_to_n1"] = raw["bcast_p50_us_n64"] / raw["bcast_p50_us_n1"]
+        for f in (fan, raw, bare):
+            f["ratio_n64_to_n1"] = f["bcast_p50_us_n64"] / f["bcast_p50_us_n1"]
         fan["ratio_to_raw_n64"] = fan["bcast_p50_us_n64"] / raw["bcast_p50_us_n64"]
     return result
 
@@ -185,10 +187,16 @@ def _rest(lines: list[str], result: dict[str, Any]) -> None:
     raw = result.get("fanout_raw_pyzmq", {})
     lines.append("fan-out raw pyzmq bcast_p50_us: " + ", ".join(
         f"N={k.split('_n')[-1]}: {v:,.0f}" for k, v in raw.items() if k.startswith("bcast")))
+    bare = result.get("fanout_bare_python", {})
+    if bare:
+        lines.append("fan-out bare Python echo bcast_p50_us: " + ", ".join(
+            f"N={k.split('_n')[-1]}: {v:,.0f}" for k, v in bare.items() if k.startswith("bcast")))
     if "ratio_n64_to_n1" in fan:
         lines.append(f"fan-out N=64 / N=1: ours {fan['ratio_n64_to_n1']:.1f}x, raw pyzmq "
-                     f"{raw['ratio_n64_to_n1']:.1f}x; ours / raw at N=64: "
-                     f"{fan['ratio_to_raw_n64']:.2f}x")
+                     f"{raw['ratio_n64_to_n1']:.1f}x"
+                     + (f", bare Python echo {bare['ratio_n64_to_n1']:.1f}x"
+                        if "ratio_n64_to_n1" in bare else "")
+                     + f"; ours / raw at N=64: {fan['ratio_to_raw_n64']:.2f}x")
 
 
 #: set in the environment of the benchmark run by its reaper (benchmarks/reaper.py)
