@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from monarch_kernel.switches import lanes_enabled
+from monarch_kernel.switches import lanes_enabled, sched_batch_enabled
 
 from . import actor_peers, bare_echo, ours, paired, peers, raw_zmq
 
@@ -40,6 +40,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                               "installed": peers.installed(),
                               # local workers through lanes (monarch_kernel.lane), or ZeroMQ
                               "lanes": lanes_enabled(),
+                              # workers (ours and the baselines') under SCHED_BATCH
+                              "sched_batch": sched_batch_enabled(),
                               "versions": peers.versions(), "n": {}}
     for n in sizes:
         row: dict[str, Any] = {}
@@ -118,6 +120,9 @@ def table(result: dict[str, Any]) -> str:
     if "lanes" in result:
         lines.append("monarch_kernel's local workers: " + (
             "lanes (Unix socket pairs)" if result["lanes"] else "ZeroMQ (MONARCH_LANES=0)"))
+    if "sched_batch" in result:
+        lines.append("workers (ours, raw pyzmq's, the bare echo's): " + (
+            "SCHED_BATCH" if result["sched_batch"] else "ordinary (MONARCH_SCHED_BATCH=0)"))
     lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")

@@ -90,8 +90,8 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         If the environment variable ``MONARCH_SPIN_US`` (how long, in
         microseconds, a caller looks for its reply before it sleeps; see
         :mod:`monarch_kernel.controller_io`) is not a number from 0 to 10000,
-        or ``MONARCH_LANES`` or ``MONARCH_PEER_LEAD`` (:mod:`monarch_kernel.lane`)
-        is not 0 or 1.
+        or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH``
+        (:mod:`monarch_kernel.switches`) is not 0 or 1.
     """
 
     def __init__(

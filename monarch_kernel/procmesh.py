@@ -452,8 +452,8 @@ def spawn_procs(
     ValueError
         If ``MONARCH_SPIN_US`` is set to something other than 0-10000
         microseconds (see :mod:`monarch_kernel.controller_io`), or
-        ``MONARCH_LANES`` to something other than 0 or 1 (see
-        :mod:`monarch_kernel.lane`).
+        ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH`` to
+        something other than 0 or 1 (see :mod:`monarch_kernel.switches`).
     """
     if isinstance(shape, int):
         shape = {"hosts": 1, "procs": shape}

@@ -508,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
     (hex) and removed from the environment before any user code runs.
     """
     global current
-    batch_scheduling()  # (before any thread starts: they inherit the policy)
     p = argparse.ArgumentParser(prog="python -m monarch_kernel.worker")
     p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     p.add_argument("--rank", type=int, required=True)
@@ -538,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format=f"[monarch worker {args.rank}] %(levelname)s %(message)s"
     )
+    batch_scheduling()  # (before any thread starts: they inherit the policy)
     w = Worker(
         args.controller,
         bytes.fromhex(key_hex),
