@@ -386,7 +386,7 @@ class ActorMesh(Generic[A]):
             from .actor_host import peer_host
 
             foreign = self._foreign(w)
-            if not oneway and getattr(context, "actor", None) is not None and not foreign:
+            if not oneway and getattr(context, "actor", None) is not None:
                 content["w"] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
             return peer_host(w).request(ranks, self._peers, content, oneway, mesh=foreign)
         pm = rec.procmesh

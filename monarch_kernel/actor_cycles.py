@@ -23,7 +23,11 @@ nothing; a call an actor makes carries one more key, and a wait that ends
 within :data:`WATCH_AFTER_S` costs nothing more.
 
 * A call made on an actor's thread carries ``"w"``: the worker that gets it
-  tracks it (:class:`_Tracked`) while it is queued or running.
+  tracks it (:class:`_Tracked`) while it is queued or running. Calls to the
+  actors of another mesh of the program are alike: the notices below go to
+  that mesh's ranks, signed with its key as the call was
+  (:mod:`~monarch_kernel.mesh_keys`), so a cycle through several meshes is
+  found as one within a mesh.
 * An actor's thread that has waited :data:`WATCH_AFTER_S` for such a call
   sends the call's ranks a *wait notice* (an ``event`` message on the peer
   socket, behind the call itself): the calls that cannot finish before that
@@ -57,6 +61,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .errors import MeshError
 from .future import WATCH_AFTER_S  # an actor's thread tells a call's ranks after that long
 
 log = logging.getLogger("monarch_kernel.actor")
@@ -100,13 +105,14 @@ class _Tracked:
 class _Wait:
     """A call an actor's thread has waited for longer than WATCH_AFTER_S."""
 
-    __slots__ = ("actor", "count", "mid", "req", "sent", "targets")
+    __slots__ = ("actor", "count", "mesh", "mid", "req", "sent", "targets")
 
     def __init__(self, req: Any, actor: str, targets: list[tuple[int, str]]) -> None:
         self.req = req
         self.mid: str = req.id
         self.actor = actor
         self.targets = targets
+        self.mesh: str | None = req.mesh  # the callee's mesh, if not this worker's
         self.count = 1  # waits on it now (one thread; several coroutines may await it)
         self.sent: tuple[Entry, ...] = ()
 
@@ -316,8 +322,12 @@ def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
     host = actor_peers._host
     if host is None:
         return
-    frames = host.codec.encode("event", {"kind": "wait", "a": w.actor, "i": w.mid,
-                                         "n": next(_seq), "r": entries})
+    try:  # (signed with the key of the callee's mesh, as the call was)
+        codec = host.codec_for(w.mesh)
+    except MeshError:  # that mesh was stopped meanwhile: its calls fail anyway
+        return
+    frames = codec.encode("event", {"kind": "wait", "a": w.actor, "i": w.mid,
+                                    "n": next(_seq), "r": entries})
     for _rank, addr in w.targets:
         if addr not in host.dead:
             host.send_to(addr, frames)
@@ -339,8 +349,6 @@ def call_guard(uid: str, name: str, ranks: list[int], req: Any,
         inst = getattr(context, "actor", None)  # the waiting thread's actor
         if inst is None:
             return None
-        if req.mesh is not None:  # a call to another mesh's actor: not watched (its ranks
-            return None  # are another numbering, and its notices another key's)
         if inst.uid == uid and inst.point.rank in ranks:
             raise WaitCycleError(
                 f"actor {name!r} on rank {inst.point.rank} waits for a call to its own "

@@ -315,3 +315,31 @@ def test_stream_and_call_from_an_actor(procs):
         assert me.ping.call_one().get(timeout=OUTER) == "pong@0"
     finally:
         m.stop()
+
+
+def test_cycle_across_two_meshes_of_one_program(procs):
+    """A cycle through the actors of two process meshes (generators calling
+    trainers that call back) fails as fast as one within a mesh."""
+    from monarch_kernel import this_host
+
+    other = this_host().spawn_procs(per_host={"procs": 2})
+    try:
+        here, there = _spawn(procs, "here"), _spawn(other, "there")
+        a, c = here.slice(procs=0), here.slice(procs=1)
+        b, d = there.slice(procs=0), there.slice(procs=1)
+        _fails_fast(a.hop.call_one([b, a]),
+                    f"{a.name}.hop (rank 0) waits for {b.name}.hop (rank 0), which waits "
+                    f"for {a.name}.hop (rank 0), which cannot start before")
+        # through both meshes twice: a -> b -> c -> d -> a
+        _fails_fast(a.hop.call_one([b, c, d, a]), f"{b.name}.hop (rank 0), which waits for",
+                    f"{c.name}.hop (rank 1), which waits for", f"{d.name}.hop (rank 1)")
+        # started on the other mesh, and caught there
+        got = b.hop.call_one([a, b], catch=True).get(timeout=OUTER)
+        assert got.startswith("0>caught WaitCycleError: "), got
+        # nothing is stuck afterwards, and calls across that only look alike still work
+        for n in (a, b, c, d):
+            assert n.ping.call_one().get(timeout=OUTER).startswith("pong@")
+        assert a.hop.call_one([b, c]).get(timeout=OUTER) == "0>0>end@1"
+        assert b.hop.call_one([a, d]).get(timeout=OUTER) == "0>0>end@1"
+    finally:
+        other.stop()
