@@ -40,7 +40,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                               "installed": peers.installed(),
                               # local workers through lanes (monarch_kernel.lane), or ZeroMQ
                               "lanes": lanes_enabled(),
-                              # workers (ours and the baselines') under SCHED_BATCH
+                              # our workers under SCHED_BATCH (monarch_kernel.sched);
+                              # the baselines' are ordinary processes
                               "sched_batch": sched_batch_enabled(),
                               "versions": peers.versions(), "n": {}}
     for n in sizes:
@@ -121,8 +122,9 @@ def table(result: dict[str, Any]) -> str:
         lines.append("monarch_kernel's local workers: " + (
             "lanes (Unix socket pairs)" if result["lanes"] else "ZeroMQ (MONARCH_LANES=0)"))
     if "sched_batch" in result:
-        lines.append("workers (ours, raw pyzmq's, the bare echo's): " + (
-            "SCHED_BATCH" if result["sched_batch"] else "ordinary (MONARCH_SCHED_BATCH=0)"))
+        lines.append("monarch_kernel's workers: " + (
+            "SCHED_BATCH" if result["sched_batch"] else "ordinary (MONARCH_SCHED_BATCH=0)")
+            + "; the baselines' workers: ordinary processes")
     lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")

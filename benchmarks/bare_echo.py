@@ -3,8 +3,7 @@
 Each worker (``python -c``) reads a message from its end of a socket pair
 and writes it back; the driver writes one 100-byte message to each of N
 workers and waits, in ``epoll``, for every answer. No framing, no
-signature, no dispatch, no ZeroMQ I/O threads (the workers run under the
-scheduling policy ours do, :mod:`monarch_kernel.sched`): the least any system whose
+signature, no dispatch, no ZeroMQ I/O threads: the least any system whose
 workers run Python must do per rank, so its growth from N = 1 to 64 is the
 floor this machine sets for a broadcast (64 processes taking turns on its
 cores, each woken to cold caches).
@@ -22,8 +21,6 @@ from .stats import latencies_us, p50
 
 _WORKER = """
 import os, sys
-from monarch_kernel.sched import batch_scheduling
-batch_scheduling()  # the policy our workers run under (MONARCH_SCHED_BATCH alike)
 fd = int(sys.argv[1])
 while True:
     data = os.read(fd, 65536)

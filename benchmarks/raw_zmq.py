@@ -6,8 +6,10 @@ message: an empty frame is echoed (a no-op call); a large frame is summed
 with numpy (as float32) and the 8-byte sum sent back. A worker can also be
 told to send a large frame to a peer (worker to worker transfer).
 This is the least any framework on ZeroMQ must do, with no serialization,
-signing or routing logic. The workers run under the scheduling policy ours
-do (``SCHED_BATCH`` unless ``MONARCH_SCHED_BATCH=0``: :mod:`monarch_kernel.sched`).
+signing or routing logic. Like the bare echo (:mod:`benchmarks.bare_echo`),
+its workers are ordinary processes whatever ``MONARCH_SCHED_BATCH`` says (a
+plain program, as it uses ZeroMQ over TCP where ours uses lanes); the
+results record the policy of ours (``sched_batch``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ MiB = 1 << 20
 
 
 def worker(addr: str, ident: str) -> None:
-    from monarch_kernel.sched import batch_scheduling
-
-    batch_scheduling()  # the policy our workers run under (MONARCH_SCHED_BATCH alike)
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
