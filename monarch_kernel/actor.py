@@ -397,6 +397,8 @@ class ActorMesh(Generic[A]):
             )
         pm._check()
         ctl = pm.controller
+        if not oneway and getattr(context, "actor", None) is not None:
+            content["w"] = 1  # an actor calls a mesh it spawned: tracked there (actor_cycles)
         if oneway:
             for r in ranks:
                 if ctl.ranks[r].state in ("dead", "stopped"):
@@ -432,8 +434,13 @@ class ActorMesh(Generic[A]):
         if rec.procmesh is not None:  # its controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
+            guard = None
+            if getattr(context, "actor", None) is not None:  # an actor of a worker waits:
+                # its notices go to the ranks it called, signed with their mesh's key
+                guard = actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers,
+                                                codec=ctl.codec)
             fut: Future[Any] = Future(pump=CallOutput(req), waiter=ctl.wait_for,
-                                      resume=ctl.resume_io, what=what)
+                                      resume=ctl.resume_io, what=what, guard=guard)
         else:  # (req.waiter: worker_io.lead_wait, or None)
             guard = actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers)
             fut = Future(guard=guard, waiter=req.waiter, what=what)

@@ -27,7 +27,9 @@ within :data:`WATCH_AFTER_S` costs nothing more.
   actors of another mesh of the program are alike: the notices below go to
   that mesh's ranks, signed with its key as the call was
   (:mod:`~monarch_kernel.mesh_keys`), so a cycle through several meshes is
-  found as one within a mesh.
+  found as one within a mesh. So are the calls an actor makes to a mesh it
+  spawned itself, which go through that mesh's controller in the actor's
+  own worker: the notices are signed with that controller's key.
 * An actor's thread that has waited :data:`WATCH_AFTER_S` for such a call
   sends the call's ranks a *wait notice* (an ``event`` message on the peer
   socket, behind the call itself): the calls that cannot finish before that
@@ -105,14 +107,16 @@ class _Tracked:
 class _Wait:
     """A call an actor's thread has waited for longer than WATCH_AFTER_S."""
 
-    __slots__ = ("actor", "count", "mesh", "mid", "req", "sent", "targets")
+    __slots__ = ("actor", "codec", "count", "mesh", "mid", "req", "sent", "targets")
 
-    def __init__(self, req: Any, actor: str, targets: list[tuple[int, str]]) -> None:
+    def __init__(self, req: Any, actor: str, targets: list[tuple[int, str]],
+                 codec: Any = None) -> None:
         self.req = req
         self.mid: str = req.id
         self.actor = actor
         self.targets = targets
         self.mesh: str | None = req.mesh  # the callee's mesh, if not this worker's
+        self.codec = codec  # the codec that signs for the callee's mesh, when given
         self.count = 1  # waits on it now (one thread; several coroutines may await it)
         self.sent: tuple[Entry, ...] = ()
 
@@ -249,11 +253,13 @@ def _describe(inst: Any, t: _Tracked, path: list[Entry]) -> str:
 
 
 # ------------------------------------------------------- the waiting side
-def watcher(inst: Any, req: Any, actor: str, ranks: list[int], peers: dict[int, str]
-            ) -> Callable[[bool], None]:
+def watcher(inst: Any, req: Any, actor: str, ranks: list[int], peers: dict[int, str],
+            codec: Any = None) -> Callable[[bool], None]:
     """What the future of call ``req`` (to actor ``actor`` on ``ranks``, whose
     peer addresses ``peers`` holds) tells when ``inst``'s thread has waited for
-    it a while (``True``) and when it stops (``False``); see :meth:`Future.get`."""
+    it a while (``True``) and when it stops (``False``); see :meth:`Future.get`.
+    ``codec`` signs the notices (the controller's of a mesh this worker
+    spawned); by default the peer host's for the callee's mesh."""
 
     def watch(on: bool) -> None:
         with inst.wait_lock:
@@ -262,7 +268,8 @@ def watcher(inst: Any, req: Any, actor: str, ranks: list[int], peers: dict[int, 
                 if w is not None:
                     w.count += 1
                     return
-                w = inst.waits[req.id] = _Wait(req, actor, [(r, peers[r]) for r in ranks])
+                w = inst.waits[req.id] = _Wait(req, actor, [(r, peers[r]) for r in ranks],
+                                               codec)
                 w.sent = _blocked(inst, req.id)
                 if w.sent:
                     _notify(w, w.sent)
@@ -323,7 +330,7 @@ def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
     if host is None:
         return
     try:  # (signed with the key of the callee's mesh, as the call was)
-        codec = host.codec_for(w.mesh)
+        codec = w.codec or host.codec_for(w.mesh)
     except MeshError:  # that mesh was stopped meanwhile: its calls fail anyway
         return
     frames = codec.encode("event", {"kind": "wait", "a": w.actor, "i": w.mid,
@@ -334,9 +341,10 @@ def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
 
 
 def call_guard(uid: str, name: str, ranks: list[int], req: Any,
-               peers: dict[int, str]) -> Callable[[], Any]:
+               peers: dict[int, str], codec: Any = None) -> Callable[[], Any]:
     """The guard of the future of a call to actor mesh ``name`` (``uid``) made
-    on a worker (see :class:`~monarch_kernel.future.Future`).
+    on a worker (see :class:`~monarch_kernel.future.Future`); ``codec``: as
+    for :func:`watcher`.
 
     On an actor's thread (the actor cannot handle other messages while it
     waits): a wait for a call to that actor itself raises at once; any other
@@ -355,7 +363,7 @@ def call_guard(uid: str, name: str, ranks: list[int], req: Any,
                 "endpoint, which cannot run until the current one returns (one message at a "
                 "time); call the method directly (self.method(...)) or use broadcast()"
             )
-        return watcher(inst, req, name, ranks, peers)
+        return watcher(inst, req, name, ranks, peers, codec)
 
     return guard
 

@@ -166,7 +166,7 @@ class _ActorInstance:
                     self._construct(item[1], item[2])
                 elif item[0] == "supervise":
                     self._supervise(item[1])
-                elif item[3] is None or "w" not in item[2]:
+                elif "w" not in item[2]:
                     self._call(item[1], item[2], item[3])
                 elif actor_cycles.begin(self, item[1]):  # a call an actor made (tracked)
                     try:
@@ -388,6 +388,8 @@ def dispatch_call(worker: Any, msg: Any) -> None:
         if "s" in c:
             register_sources(c["s"])
         c["p"] = _Unpacked(c["p"])
+    if "w" in c:  # an actor of the worker that spawned this mesh waits: tracked (actor_cycles)
+        actor_cycles.track(inst, msg.id, c, None)
     inst.post(("call", msg.id, c, None))
 
 

@@ -343,3 +343,38 @@ def test_cycle_across_two_meshes_of_one_program(procs):
         assert b.hop.call_one([a, d]).get(timeout=OUTER) == "0>0>end@1"
     finally:
         other.stop()
+
+
+class Spawner(Node):
+    """A Node that spawns a mesh of its own and calls a Node there."""
+
+    @endpoint
+    def via_child(self, back: bool) -> str:
+        """Call the child mesh's ``hop``, which calls this actor back (``back``)
+        or ends there, and wait for it."""
+        from monarch_kernel import this_host
+
+        child = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            node = child.spawn("child", Node)
+            try:
+                return "spawner>" + node.hop.call_one([self.me] if back else []).get(
+                    timeout=INNER)
+            except WaitCycleError as e:
+                return f"caught WaitCycleError: {e}"
+        finally:
+            child.stop()
+
+
+def test_cycle_through_a_mesh_an_actor_spawned(procs):
+    """An actor's calls to a mesh it spawned go through that mesh's controller
+    (in the actor's own worker); a cycle through them fails fast all the same."""
+    s = procs.spawn(f"spawner{next(_names)}", Spawner).slice(procs=0)
+    s.remember.call_one(s).get(timeout=OUTER)
+    t0 = time.monotonic()
+    got = s.via_child.call_one(True).get(timeout=OUTER)
+    assert got.startswith("caught WaitCycleError: "), got
+    assert "waits for child.hop (rank 0), which waits for" in got, got
+    assert time.monotonic() - t0 < QUICK, "the cycle took too long to fail"
+    assert s.via_child.call_one(False).get(timeout=OUTER) == "spawner>end@0"
+    assert s.ping.call_one().get(timeout=OUTER) == "pong@0"
