@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import threading
+import traceback
 from typing import Any
 
 __all__ = [
@@ -151,8 +152,15 @@ class RemoteError(MonarchError):
         # remote error through, to an actor or the controller, keeps its type)
         cls = type(self)
         base = getattr(cls, "_monarch_base", cls)
+        # the remote traceback's note is made again where it lands (from the traceback
+        # of the failure there, which may be longer); notes added to it travel aside
+        state = dict(self.__dict__)
+        auto = state.pop("_auto_note", None)
+        added = [n for n in state.pop("__notes__", ()) if n is not auto]
+        if added:
+            state["_added_notes"] = added
         return (_rebuild_remote, (base, getattr(cls, "_monarch_original", None), self.args,
-                                  dict(self.__dict__)))
+                                  state))
 
     def __getattr__(self, name: str) -> Any:
         # ``__notes__`` (PEP 678), made when first asked for, which is when Python
@@ -160,10 +168,30 @@ class RemoteError(MonarchError):
         # remote traceback, which IPython shows through _render_traceback_, shown in a
         # plain script too. Kept in the instance, so add_note() adds to it.
         if name == "__notes__":
-            notes = ["\n".join(_ANSI.sub("", line) for line in self._render_traceback_())]
-            self.__dict__["__notes__"] = notes
+            auto = "\n".join(_ANSI.sub("", line) for line in self._render_traceback_())
+            self.__dict__["_auto_note"] = auto
+            notes = self.__dict__["__notes__"] = [auto, *self.__dict__.get("_added_notes", ())]
             return notes
         raise AttributeError(name)
+
+    def format_exception_only(self) -> list[str]:
+        """:func:`traceback.format_exception_only` of this error without the
+        remote traceback among its notes (a rank that lets it through shows
+        that traceback itself, after its own frames); notes added with
+        ``add_note`` stay."""
+        d = self.__dict__
+        had = "__notes__" in d
+        notes = d.get("__notes__")
+        auto = d.get("_auto_note")
+        d["__notes__"] = [n for n in (notes if had else d.get("_added_notes", ()))
+                          if n is not auto]
+        try:
+            return traceback.format_exception_only(type(self), self)
+        finally:
+            if had:
+                d["__notes__"] = notes
+            else:
+                del d["__notes__"]
 
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""
@@ -315,6 +343,8 @@ def remote_exception(
             except (AttributeError, TypeError):
                 pass
             err.__dict__.pop("others", None)  # (of the inner error's group)
+            for k in ("__notes__", "_auto_note", "_added_notes"):  # (the rank's traceback
+                err.__dict__.pop(k, None)  # shows its notes: made again from it here)
     if err is None:
         err = base.__new__(base)
         err.args = (first.message,)

@@ -351,10 +351,10 @@ class Worker(WorkerIO):
             frames = [f for f in traceback.extract_tb(tb) if f.filename != __file__]
             if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
                 frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
+            only = (e.format_exception_only() if isinstance(e, RemoteError)
+                    else traceback.format_exception_only(type(e), e))
             text = "".join(["Traceback (most recent call last):\n",
-                            *traceback.format_list(frames),
-                            *traceback.format_exception_only(type(e), e)]) if frames else \
-                "".join(traceback.format_exception_only(type(e), e))
+                            *traceback.format_list(frames), *only]) if frames else "".join(only)
         inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
         if text and inner:  # it came from another rank: show where it was raised too
             who = f" (actor {e.actor})" if getattr(e, "actor", None) else ""

@@ -356,6 +356,27 @@ def test_a_plain_script_shows_the_remote_traceback(counters):
     assert "and a note of the caller's" in "".join(traceback.format_exception(ei.value))
 
 
+
+def test_an_error_through_two_ranks_shows_each_ones_traceback_once(procs, counters):
+    """Rank 0's endpoint lets rank 1's KeyError through: what is printed shows
+    rank 0's frames, then rank 1's, each once (the notes a rank made for the
+    error it got are made again where it lands), and a note added on the way
+    travels with it."""
+    import traceback
+
+    relay = procs.spawn(f"through{next(_names)}", LetThrough).slice(procs=0)
+    try:
+        for note in (False, True):
+            with pytest.raises(KeyError) as ei:
+                relay.relay.call_one(counters.slice(procs=1), note).get(timeout=30)
+            text = "".join(traceback.format_exception(ei.value))
+            assert "rank 0 (actor through" in text and "which came from rank 1 (actor " in text
+            assert text.count("in relay") == 1 and text.count("in fail") == 1, text
+            assert text.count('return {}["missing"]') == 1, text
+            assert ("a note rank 0 added" in text) == note, text
+    finally:
+        relay.stop()
+
 # --------------------------------------------------------------- errors
 def test_exceptions_keep_their_type(counters):
     with pytest.raises(KeyError) as ei:
@@ -375,8 +396,14 @@ def test_exceptions_keep_their_type(counters):
 
 class LetThrough(Actor):
     @endpoint
-    def relay(self, other: ActorMesh) -> object:
-        return other.fail.call_one("key").get(timeout=30)
+    def relay(self, other: ActorMesh, note: bool = False) -> object:
+        """``other``'s fail, its error let through (with a note of ours)."""
+        try:
+            return other.fail.call_one("key").get(timeout=30)
+        except KeyError as e:
+            if note:
+                e.add_note("a note rank 0 added")
+            raise
 
 
 def test_an_error_let_through_another_actor_keeps_its_type(procs, counters):
