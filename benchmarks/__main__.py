@@ -43,6 +43,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                               # our workers under SCHED_BATCH (monarch_kernel.sched);
                               # the baselines' are ordinary processes
                               "sched_batch": sched_batch_enabled(),
+                              "worker_policy": _worker_policy(),
                               "versions": peers.versions(), "n": {}}
     for n in sizes:
         row: dict[str, Any] = {}
@@ -112,6 +113,19 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
     return result
 
 
+def _worker_policy() -> str:
+    """The scheduling policy our workers run under (monarch_kernel.sched): they
+    inherit this process's unless it is an ordinary one and the switch is on."""
+    if not hasattr(os, "sched_getscheduler"):
+        return "ordinary (not Linux)"
+    mine = os.sched_getscheduler(0)
+    names = {getattr(os, n): n for n in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE",
+                                          "SCHED_FIFO", "SCHED_RR") if hasattr(os, n)}
+    if mine != os.SCHED_OTHER:
+        return f"{names.get(mine, mine)}, this process's (kept by workers)"
+    return "SCHED_BATCH" if sched_batch_enabled() else "SCHED_OTHER (MONARCH_SCHED_BATCH=0)"
+
+
 def table(result: dict[str, Any]) -> str:
     absent = [k for k, v in result.get("installed", {}).items() if not v]
     lines = [f"not installed, so not measured: {', '.join(absent)}"] if absent else []
@@ -121,10 +135,9 @@ def table(result: dict[str, Any]) -> str:
     if "lanes" in result:
         lines.append("monarch_kernel's local workers: " + (
             "lanes (Unix socket pairs)" if result["lanes"] else "ZeroMQ (MONARCH_LANES=0)"))
-    if "sched_batch" in result:
-        lines.append("monarch_kernel's workers: " + (
-            "SCHED_BATCH" if result["sched_batch"] else "ordinary (MONARCH_SCHED_BATCH=0)")
-            + "; the baselines' workers: ordinary processes")
+    if "worker_policy" in result:
+        lines.append(f"monarch_kernel's workers: {result['worker_policy']}; the baselines' "
+                     "workers: as this process")
     lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")
