@@ -136,8 +136,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append("monarch_kernel's local workers: " + (
             "lanes (Unix socket pairs)" if result["lanes"] else "ZeroMQ (MONARCH_LANES=0)"))
     if "worker_policy" in result:
+        own = result["worker_policy"].split(",")[0] if "this process" in \
+            result["worker_policy"] else "SCHED_OTHER"
         lines.append(f"monarch_kernel's workers: {result['worker_policy']}; the baselines' "
-                     "workers: as this process")
+                     f"workers: {own}")
     lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")
