@@ -171,6 +171,32 @@ class KernelSession:
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
 
+    def wait_idle(self, msg_id: str, timeout: float = 10) -> None:
+        """Read iopub until the kernel's idle status for request ``msg_id``.
+
+        After an error reply, ipykernel aborts the execute requests that reach
+        it before it has reset its abort flag (``stop_on_error``); one sent as
+        soon as the reply came can lose that race, one sent after this cannot
+        in practice (the reset is queued before the idle status goes out).
+
+        Raises
+        ------
+        TimeoutError
+            If no idle status for ``msg_id`` came within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no idle status for {msg_id} within {timeout} s")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"):
+                return
+
     def shutdown(self) -> None:
         """Shut the kernel down (it stops its meshes) and close the channels."""
         try:

@@ -122,6 +122,7 @@ def test_interrupt_stops_all_ranks_and_next_cell_works(k4):
     elapsed = time.monotonic() - t0
     assert rep["content"]["status"] == "error"
     assert elapsed < 2.0, elapsed
+    k4.wait_idle(msg_id)  # (a cell sent at once may be aborted: see wait_idle)
     r = k4.execute("%%mesh\nrank + 100")
     assert r.status == "ok" and "103" in r.result_text()
 
