@@ -180,18 +180,11 @@ class RemoteError(MonarchError):
         that traceback itself, after its own frames); notes added with
         ``add_note`` stay."""
         d = self.__dict__
-        had = "__notes__" in d
-        notes = d.get("__notes__")
+        notes = d["__notes__"] if "__notes__" in d else d.get("_added_notes", ())
         auto = d.get("_auto_note")
-        d["__notes__"] = [n for n in (notes if had else d.get("_added_notes", ()))
-                          if n is not auto]
-        try:
-            return traceback.format_exception_only(type(self), self)
-        finally:
-            if had:
-                d["__notes__"] = notes
-            else:
-                del d["__notes__"]
+        te = traceback.TracebackException(type(self), self, None)
+        te.__notes__ = [n for n in notes if n is not auto] or None  # (this error unchanged)
+        return list(te.format_exception_only())
 
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""

@@ -356,10 +356,12 @@ class Worker(WorkerIO):
             text = "".join(["Traceback (most recent call last):\n",
                             *traceback.format_list(frames), *only]) if frames else "".join(only)
         inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
-        if text and inner:  # it came from another rank: show where it was raised too
-            who = f" (actor {e.actor})" if getattr(e, "actor", None) else ""
-            text += (f"\nwhich came from {_ranks_label(getattr(e, 'ranks', []))}{who}:\n"
-                     + inner.rstrip("\n") + "\n")
+        if text and inner:  # it came from other ranks: show where it was raised too
+            for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
+                who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
+                text += (f"\n{'which came from' if i == 0 else 'and from'} "
+                         f"{_ranks_label(getattr(part, 'ranks', []))}{who}:\n"
+                         + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
         exc: BaseException | None = e
         try:
             from . import serialize

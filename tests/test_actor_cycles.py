@@ -323,6 +323,7 @@ def test_cycle_across_two_meshes_of_one_program(procs):
     from monarch_kernel import this_host
 
     other = this_host().spawn_procs(per_host={"procs": 2})
+    here = None
     try:
         here, there = _spawn(procs, "here"), _spawn(other, "there")
         a, c = here.slice(procs=0), here.slice(procs=1)
@@ -342,6 +343,8 @@ def test_cycle_across_two_meshes_of_one_program(procs):
         assert a.hop.call_one([b, c]).get(timeout=OUTER) == "0>0>end@1"
         assert b.hop.call_one([a, d]).get(timeout=OUTER) == "0>0>end@1"
     finally:
+        if here is not None:
+            here.stop()
         other.stop()
 
 
@@ -369,12 +372,16 @@ class Spawner(Node):
 def test_cycle_through_a_mesh_an_actor_spawned(procs):
     """An actor's calls to a mesh it spawned go through that mesh's controller
     (in the actor's own worker); a cycle through them fails fast all the same."""
-    s = procs.spawn(f"spawner{next(_names)}", Spawner).slice(procs=0)
-    s.remember.call_one(s).get(timeout=OUTER)
-    t0 = time.monotonic()
-    got = s.via_child.call_one(True).get(timeout=OUTER)
-    assert got.startswith("caught WaitCycleError: "), got
-    assert "waits for child.hop (rank 0), which waits for" in got, got
-    assert time.monotonic() - t0 < QUICK, "the cycle took too long to fail"
-    assert s.via_child.call_one(False).get(timeout=OUTER) == "spawner>end@0"
-    assert s.ping.call_one().get(timeout=OUTER) == "pong@0"
+    spawners = procs.spawn(f"spawner{next(_names)}", Spawner)
+    try:
+        s = spawners.slice(procs=0)
+        s.remember.call_one(s).get(timeout=OUTER)
+        t0 = time.monotonic()
+        got = s.via_child.call_one(True).get(timeout=OUTER)
+        assert got.startswith("caught WaitCycleError: "), got
+        assert "waits for child.hop (rank 0), which waits for" in got, got
+        assert time.monotonic() - t0 < QUICK, "the cycle took too long to fail"
+        assert s.via_child.call_one(False).get(timeout=OUTER) == "spawner>end@0"
+        assert s.ping.call_one().get(timeout=OUTER) == "pong@0"
+    finally:
+        spawners.stop()
