@@ -139,9 +139,12 @@ class RemoteError(MonarchError):
     remote_traceback: str
     actor: str | None = None
 
-    def __str__(self) -> str:  # pragma: no cover - trivial
+    def __str__(self) -> str:
         base = self._remote_message()
-        return f"{_ranks_label(getattr(self, 'ranks', []))}: {base}"
+        label = f"{_ranks_label(getattr(self, 'ranks', []))}: "
+        # an error let through the rank it came from (another actor of that rank, or
+        # a wait cycle's way back) is labelled once: "rank 1: rank 1: x" reads "rank 1: x"
+        return base if base.startswith(label) else label + base
 
     def _remote_message(self) -> str:
         return getattr(self, "_message", "") or ""

@@ -386,6 +386,18 @@ def test_an_error_through_two_ranks_shows_each_ones_traceback_once(procs, counte
         relay.stop()
 
 # --------------------------------------------------------------- errors
+def test_an_error_let_through_its_own_rank_is_labelled_once() -> None:
+    from monarch_kernel.errors import RemoteError
+
+    e = RemoteError.__new__(RemoteError)
+    e.ranks, e._message = [1], "rank 1: x"  # (another actor of rank 1 let it through)
+    assert str(e) == "rank 1: x"
+    e._message = "rank 0: x"  # (from rank 0): the way it came is kept
+    assert str(e) == "rank 1: rank 0: x"
+    e.ranks = [1, 2]
+    assert str(e) == "ranks 1:3: rank 0: x"
+
+
 def test_exceptions_keep_their_type(counters):
     with pytest.raises(KeyError) as ei:
         counters.fail.call("key").get(timeout=30)
