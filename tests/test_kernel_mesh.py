@@ -228,3 +228,30 @@ def test_named_meshes_use_and_status(kernel):
     r = kernel.execute("%mesh stop --all")
     assert r.status == "ok", r.error_text()
     wait_for(lambda: not worker_pids(kernel.pid), 10, what="workers gone after --all")
+
+
+def test_mesh_use_adopts_a_mesh_made_with_spawn_procs(kernel):
+    """A mesh made in a cell with spawn_procs (the PyTorch Monarch way) becomes the
+    current mesh of the %mesh magics with %mesh use VARIABLE."""
+    r = kernel.execute("%mesh status")
+    assert r.status == "error" and "%mesh use NAME" in r.reply["content"]["evalue"]
+    r = kernel.execute("from monarch_kernel import this_host\n"
+                       "pm = this_host().spawn_procs(per_host={'procs': 2})\nn = 3")
+    assert r.status == "ok", r.error_text()
+    for bad, why in (("n", "holds a value of type int"), ("nothing", "is not defined")):
+        r = kernel.execute(f"%mesh use {bad}")
+        assert r.status == "error" and r.reply["content"]["ename"] == "UsageError"
+        assert why in r.reply["content"]["evalue"], r.reply["content"]["evalue"]
+    r = kernel.execute("%mesh use pm")
+    assert r.status == "ok" and "made with spawn_procs" in r.stream(), r.error_text()
+    r = kernel.execute("%%mesh\nrank * 10")
+    assert r.status == "ok" and "10" in r.result_text(), r.error_text()
+    r = kernel.execute("st = %mesh status\nprint(repr(st))")
+    assert "mesh 'pm'" in r.stream(), r.error_text()
+    r = kernel.execute("%mesh stop")
+    assert r.status == "ok", r.error_text()
+    r = kernel.execute("print(pm.root._stopped)")
+    assert r.stream().strip() == "True"
+    r = kernel.execute("%mesh use pm")
+    assert r.status == "error" and "holds a stopped mesh" in r.reply["content"]["evalue"]
+    wait_for(lambda: not worker_pids(kernel.pid), 10, what="workers gone after %mesh stop")

@@ -49,7 +49,8 @@ r = %mesh ref NAME                           a handle to NAME; the values stay o
 %mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
 %mesh restart RANKS                          replace ranks (3, 1,2, 0:4, all) with fresh processes
 %mesh debug [--wait S] [--post-mortem RANK]  console for paused ranks (breakpoint() on ranks)
-%mesh use NAME                               make mesh NAME (from spawn --name) the current one
+%mesh use NAME                               make mesh NAME (spawn --name, or a variable
+                                             holding a spawn_procs mesh) the current one
 %mesh stop [--all]                           stop the current mesh's workers (--all: every mesh)"""
 
 
@@ -159,7 +160,8 @@ class MeshMagics(Magics):
         """
         m = self.meshes.get(self.current or "")
         if m is None or m.root._stopped:
-            raise UsageError("no mesh is running; start one first with  %mesh spawn 4")
+            raise UsageError("no mesh is running; start one first with  %mesh spawn 4  (or "
+                             "%mesh use NAME for a mesh made with spawn_procs in a cell)")
         return m
 
     def stop_all(self) -> None:
@@ -273,13 +275,37 @@ class MeshMagics(Magics):
         p.add_argument("name")
         a = p.parse_args(argv)
         m = self.meshes.get(a.name)
+        adopted = ""
         if m is None or m.root._stopped:
-            names = ", ".join(repr(n) for n, pm in self.meshes.items() if not pm.root._stopped)
-            raise UsageError(f"%mesh use: no running mesh named {a.name!r}; running: "
-                             f"{names or 'none'} (start one with  %mesh spawn N --name "
-                             f"{a.name})")
+            m = self._adopt(a.name)
+            adopted = " (made with spawn_procs: the %mesh magics use it from now on)"
         self.current = a.name
-        print(f"mesh {a.name!r} ({len(m)} ranks {m.shape.dims}) is now the current mesh")
+        print(f"mesh {a.name!r} ({len(m)} ranks {m.shape.dims}) is now the current "
+              f"mesh{adopted}")
+
+    def _adopt(self, name: str) -> ProcMesh:
+        """The running :class:`ProcMesh` that notebook variable ``name`` holds (one
+        made in a cell with ``spawn_procs(...)``), now known to the magics.
+
+        Raises
+        ------
+        UsageError
+            If ``name`` is neither a mesh of ``%mesh spawn`` nor a variable that
+            holds a running mesh of this kernel.
+        """
+        value = self.shell.user_ns.get(name)
+        names = ", ".join(repr(n) for n, pm in self.meshes.items() if not pm.root._stopped)
+        if not isinstance(value, ProcMesh) or value.root._stopped:
+            what = ("is not defined" if name not in self.shell.user_ns else
+                    "holds a stopped mesh" if isinstance(value, ProcMesh) else
+                    f"holds a value of type {type(value).__name__}")
+            raise UsageError(f"%mesh use: no running mesh named {name!r} ({name} {what}); "
+                             f"running: {names or 'none'} (start one with  %mesh spawn N "
+                             f"--name {name}, or pass the name of a variable that holds "
+                             "a mesh made with spawn_procs)")
+        self.meshes[name] = value
+        registry_for(value.controller)  # (%mesh debug knows its paused ranks)
+        return value
 
     def _cmd_restart(self, argv: list[str]) -> None:
         p = _parser("restart")
