@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 
-from .stats import latencies_us, p50
+from .stats import fanout_p50_us
 
 _WORKER = """
 import os, sys
@@ -84,11 +84,4 @@ class BareMesh:
 
 def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[str, float]:
     """``bcast_p50_us`` of the bare echo for each N in ``sizes``."""
-    out = {}
-    for n in sizes:
-        m = BareMesh(n)
-        try:
-            out[f"bcast_p50_us_n{n}"] = p50(latencies_us(m.bcast, calls, warmup=100))
-        finally:
-            m.close()
-    return out
+    return fanout_p50_us(BareMesh, sizes, calls)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .stats import latencies_us, p50, p99
+from .stats import fanout_p50_us, latencies_us, p50, p99
 
 MiB = 1 << 20
 
@@ -178,14 +178,7 @@ def measure(n: int, calls: int = 2000, big: bool = True) -> dict[str, float]:
 def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[str, float]:
     """The raw ``bcast_p50_us`` for N echo workers: how far this machine itself
     lets a broadcast grow with N (64 processes on 2 cores take turns)."""
-    out = {}
-    for n in sizes:
-        m = RawMesh(n)
-        try:
-            out[f"bcast_p50_us_n{n}"] = p50(latencies_us(m.bcast, calls, warmup=100))
-        finally:
-            m.close()
-    return out
+    return fanout_p50_us(RawMesh, sizes, calls)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def latencies_us(fn: Callable[[], object], n: int, warmup: int = 100) -> list[float]:
@@ -45,3 +46,17 @@ def best_gbps(fn: Callable[[], object], nbytes: int, times: int = 3) -> float:
         fn()
         best = min(best, clock() - t0)
     return nbytes / best / 1e9
+
+
+def fanout_p50_us(make: Callable[[int], Any], sizes: tuple[int, ...], calls: int
+                  ) -> dict[str, float]:
+    """``bcast_p50_us_nN``: the p50 of ``make(N).bcast()`` (after 100 warm-up
+    broadcasts) for each N in ``sizes``; each mesh is closed before the next."""
+    out = {}
+    for n in sizes:
+        m = make(n)
+        try:
+            out[f"bcast_p50_us_n{n}"] = p50(latencies_us(m.bcast, calls, warmup=100))
+        finally:
+            m.close()
+    return out
