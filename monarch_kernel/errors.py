@@ -157,9 +157,9 @@ class RemoteError(MonarchError):
         base = getattr(cls, "_monarch_base", cls)
         # the remote traceback's note is made again where it lands (from the traceback
         # of the failure there, which may be longer); notes added to it travel aside
-        state = dict(self.__dict__)
-        auto = state.pop("_auto_note", None)
-        added = [n for n in state.pop("__notes__", ()) if n is not auto]
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("__notes__", "_auto_note", "_added_notes")}
+        added = self._added_notes()
         if added:
             state["_added_notes"] = added
         return (_rebuild_remote, (base, getattr(cls, "_monarch_original", None), self.args,
@@ -182,12 +182,15 @@ class RemoteError(MonarchError):
         remote traceback among its notes (a rank that lets it through shows
         that traceback itself, after its own frames); notes added with
         ``add_note`` stay."""
+        te = traceback.TracebackException(type(self), self, None)
+        te.__notes__ = self._added_notes() or None  # (this error unchanged)
+        return list(te.format_exception_only())
+
+    def _added_notes(self) -> list[str]:
+        """The notes added with ``add_note`` (here, or on the ranks it came through)."""
         d = self.__dict__
         notes = d["__notes__"] if "__notes__" in d else d.get("_added_notes", ())
-        auto = d.get("_auto_note")
-        te = traceback.TracebackException(type(self), self, None)
-        te.__notes__ = [n for n in notes if n is not auto] or None  # (this error unchanged)
-        return list(te.format_exception_only())
+        return [n for n in notes if n is not d.get("_auto_note")]
 
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""

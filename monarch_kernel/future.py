@@ -36,7 +36,6 @@ _NOT_YET = object()
 WATCH_AFTER_S = 0.02
 
 
-
 def check_timeout(timeout: Any) -> float | None:
     """``timeout`` as seconds (a float), or None (no limit).
 
