@@ -32,6 +32,7 @@ LOWER_IS_BETTER = {"call_p50_us", "call_p99_us", "bcast_p50_us", "peer_call_p50_
 def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = True
         ) -> dict[str, Any]:
     calls = 500 if quick else 2000
+    ours_policy, baseline_policy = _policies()
     result: dict[str, Any] = {"machine": {"python": sys.version.split()[0],
                                           "platform": platform.platform(),
                                           "cores": len(os.sched_getaffinity(0))
@@ -43,7 +44,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                               # our workers under SCHED_BATCH (monarch_kernel.sched);
                               # the baselines' are ordinary processes
                               "sched_batch": sched_batch_enabled(),
-                              "worker_policy": _worker_policy(),
+                              "worker_policy": ours_policy,
+                              "baseline_policy": baseline_policy,
                               "versions": peers.versions(), "n": {}}
     for n in sizes:
         row: dict[str, Any] = {}
@@ -113,17 +115,20 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
     return result
 
 
-def _worker_policy() -> str:
-    """The scheduling policy our workers run under (monarch_kernel.sched): they
-    inherit this process's unless it is an ordinary one and the switch is on."""
+def _policies() -> tuple[str, str]:
+    """The scheduling policies our workers and the baselines' run under: the
+    baselines' inherit this process's, and so do ours unless it is an ordinary
+    one and the switch is on (monarch_kernel.sched)."""
     if not hasattr(os, "sched_getscheduler"):
-        return "ordinary (not Linux)"
+        return "ordinary (not Linux)", "ordinary (not Linux)"
     mine = os.sched_getscheduler(0)
     names = {getattr(os, n): n for n in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE",
                                           "SCHED_FIFO", "SCHED_RR") if hasattr(os, n)}
+    name = str(names.get(mine, mine))
     if mine != os.SCHED_OTHER:
-        return f"{names.get(mine, mine)}, this process's (kept by workers)"
-    return "SCHED_BATCH" if sched_batch_enabled() else "SCHED_OTHER (MONARCH_SCHED_BATCH=0)"
+        return f"{name}, this process's (kept by workers)", name
+    return ("SCHED_BATCH" if sched_batch_enabled() else
+            "SCHED_OTHER (MONARCH_SCHED_BATCH=0)"), name
 
 
 def table(result: dict[str, Any]) -> str:
@@ -136,10 +141,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append("monarch_kernel's local workers: " + (
             "lanes (Unix socket pairs)" if result["lanes"] else "ZeroMQ (MONARCH_LANES=0)"))
     if "worker_policy" in result:
-        own = result["worker_policy"].split(",")[0] if "this process" in \
-            result["worker_policy"] else "SCHED_OTHER"
         lines.append(f"monarch_kernel's workers: {result['worker_policy']}; the baselines' "
-                     f"workers: {own}")
+                     f"workers: {result.get('baseline_policy', 'SCHED_OTHER')}")
     lines.append("rdma_gbps / raw: against the raw worker-to-worker send (p2p_gbps)")
     for n, row in result["n"].items():
         cols = [c for c in ("raw_pyzmq", "monarch_kernel", "ipyparallel", "ray", "torchmonarch")
