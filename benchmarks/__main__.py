@@ -19,9 +19,14 @@ import sys
 import time
 from typing import Any
 
-from monarch_kernel.switches import lanes_enabled, sched_batch_enabled
+from monarch_kernel.util.switches import lanes_enabled, sched_batch_enabled
 
-from . import actor_peers, bare_echo, ours, paired, peers, raw_zmq
+from tests import actor_peers
+from tests import bare_echo
+from tests import ours
+from tests import paired
+from tests import peers
+from tests import raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "peer_call_p50_us", "calls_per_s",
            "tensor_gbps", "p2p_gbps", "rdma_gbps", "spawn_s"]
@@ -39,9 +44,9 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                                           if hasattr(os, "sched_getaffinity")
                                           else os.cpu_count()},
                               "installed": peers.installed(),
-                              # local workers through lanes (monarch_kernel.lane), or ZeroMQ
+                              # local workers through lanes (monarch_kernel.transport.lane), or ZeroMQ
                               "lanes": lanes_enabled(),
-                              # our workers under SCHED_BATCH (monarch_kernel.sched);
+                              # our workers under SCHED_BATCH (monarch_kernel.worker.sched);
                               # the baselines' are ordinary processes
                               "sched_batch": sched_batch_enabled(),
                               "worker_policy": ours_policy,
@@ -95,7 +100,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                                                    / cell["ipyparallel_px"])
     result["cell_p50_us"] = cell
     print("[bench] telemetry overhead", file=sys.stderr, flush=True)
-    from . import telemetry_overhead
+    from tests import telemetry_overhead
 
     tel = telemetry_overhead.measure(seconds=6 if quick else 20, ranks=2)
     result["telemetry_cpu_pct"] = tel.get("sampler_pct_of_core")
@@ -118,7 +123,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
 def _policies() -> tuple[str, str]:
     """The scheduling policies our workers and the baselines' run under: the
     baselines' inherit this process's, and so do ours unless it is an ordinary
-    one and the switch is on (monarch_kernel.sched)."""
+    one and the switch is on (monarch_kernel.worker.sched)."""
     if not hasattr(os, "sched_getscheduler"):
         return "ordinary (not Linux)", "ordinary (not Linux)"
     mine = os.sched_getscheduler(0)
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(_REAPED) != "1" and sys.platform.startswith("linux"):
         # run as the child of a subreaper, so that whatever the peers start (ipyparallel
         # engines, Ray's daemons, kernels) ends with the run, even a run killed outright
-        from .reaper import run_reaped
+        from tests.reaper import run_reaped
 
         return run_reaped([sys.executable, "-m", "benchmarks", *argv],
                           env={**os.environ, _REAPED: "1"})

@@ -37,7 +37,7 @@ from typing import Any
 import cloudpickle
 
 from monarch_kernel import Actor, endpoint
-from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.mesh.procmesh import spawn_procs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
@@ -106,7 +106,7 @@ class GpuBench(Actor):
         once the bytes are in place: CUDA copies complete)."""
         import torch
 
-        from monarch_kernel import buffer_ops
+        from monarch_kernel.tensors import buffer_ops as buffer_ops
 
         if route is not None:  # force a route (the staged ones, for comparison)
             real = buffer_ops._route

@@ -11,9 +11,9 @@ import cloudpickle
 import psutil
 
 from monarch_kernel import Actor, endpoint
-from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.mesh.procmesh import spawn_procs
 
-from .stats import best_gbps, latencies_us, p50, p99
+from tests.stats import best_gbps, latencies_us, p50, p99
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 

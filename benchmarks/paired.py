@@ -7,14 +7,14 @@ actor endpoints, so both see the same machine and their ratio compares like
 with like. Figures: ``call_p50_us``, ``call_p99_us`` (one worker) and
 ``bcast_p50_us`` (all N, gathered), each side, and ours / raw; and ours
 with the controller's spin off (``call_p50_us_spin_off``; see
-:mod:`monarch_kernel.controller_io`), so the ratio shows what the spin is
+:mod:`monarch_kernel.controller.io`), so the ratio shows what the spin is
 worth: the raw echo blocks in ``recv`` and never spins. Each block starts
 with the spin as set, and ``spin_contended`` counts the times the spin
 turned itself off in a block (a yield that lost the core for 1 ms).
 
 ``call_p50_us_zeromq``, ``bcast_p50_us_zeromq``: ours again on a second mesh
 whose workers talk to the controller through ZeroMQ instead of lanes
-(``MONARCH_LANES=0``, :mod:`monarch_kernel.lane`), in the same blocks: what
+(``MONARCH_LANES=0``, :mod:`monarch_kernel.transport.lane`), in the same blocks: what
 the lanes are worth (only when lanes are on: with ``MONARCH_LANES=0`` both
 meshes would use ZeroMQ).
 
@@ -22,7 +22,7 @@ meshes would use ZeroMQ).
 each side, in the same alternating blocks. Back-to-back calls keep every
 thread and cache warm; a notebook's calls come after a pause, and this is
 where a spin that held on to its core cost most (see
-:mod:`monarch_kernel.controller_io`).
+:mod:`monarch_kernel.controller.io`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.mesh.procmesh import spawn_procs
 
-from .ours import Bench
-from .raw_zmq import RawMesh
-from .stats import latencies_us, p50, p99
+from tests.ours import Bench
+from tests.raw_zmq import RawMesh
+from tests.stats import latencies_us, p50, p99
 
 #: seconds of idleness before each call of ``call_idle_p50_us``
 IDLE_S = 0.0015
@@ -129,7 +129,7 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
             out["ratio_to_raw"][f"{m}_p50_us_zeromq"] = v / out["raw_pyzmq"][f"{m}_p50_us"]
         out["spin_us"] = spin * 1e6
         # times a yield lost the core for 1 ms and turned the spin off for 1 s (a
-        # block then ran partly without it; see monarch_kernel.controller_io)
+        # block then ran partly without it; see monarch_kernel.controller.io)
         out["spin_contended"] = ctl.spin_contended - contended
         return out
     finally:

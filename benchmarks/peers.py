@@ -7,7 +7,7 @@ import importlib.util
 import time
 from typing import Any
 
-from .stats import best_gbps, latencies_us, p50, p99
+from tests.stats import best_gbps, latencies_us, p50, p99
 
 MiB = 1 << 20
 
@@ -54,7 +54,7 @@ def ipyparallel(n: int, calls: int = 500, big: bool = True) -> dict[str, float]:
 
 def _python3_px(n: int) -> Any:
     """A python3 kernel with an ipyparallel cluster of ``n`` engines, %px active."""
-    from monarch_kernel.testing import KernelSession
+    from monarch_kernel.testing.kernel import KernelSession
 
     ks = KernelSession("python3")
     r = ks.execute(f"import ipyparallel as ipp\ncluster = ipp.Cluster(n={n}, log_level=40)\n"
@@ -68,7 +68,7 @@ def _python3_px(n: int) -> Any:
 
 def _monarch_mesh(n: int) -> Any:
     """A monarch kernel with a mesh of ``n`` local workers."""
-    from monarch_kernel.testing import KernelSession
+    from monarch_kernel.testing.kernel import KernelSession
 
     ks = KernelSession("monarch")
     r = ks.execute(f"%mesh spawn {n}")

@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from monarch_kernel.procmesh import ProcMesh, spawn_procs
+from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 
 __all__ = ["measure"]
 

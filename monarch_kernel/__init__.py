@@ -20,12 +20,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Shape": "mesh", "Point": "mesh", "ValueMesh": "mesh",
-    "ProcMesh": "procmesh", "spawn_procs": "procmesh", "this_host": "procmesh",
-    "HostMesh": "procmesh",
-    "Actor": "actor", "ActorMesh": "actor", "endpoint": "actor", "Future": "actor",
-    "current_rank": "actor", "current_size": "actor", "WaitCycleError": "actor_cycles",
-    "Ref": "tensors", "device_mesh": "tensor_store", "RDMABuffer": "buffer",
+    "Shape": "mesh.shape", "Point": "mesh.shape", "ValueMesh": "mesh.shape",
+    "ProcMesh": "mesh.procmesh", "spawn_procs": "mesh.procmesh", "this_host": "mesh.procmesh",
+    "HostMesh": "mesh.procmesh",
+    "Actor": "actor.actor_mesh", "ActorMesh": "actor.actor_mesh", "endpoint": "actor.actor_mesh", "Future": "actor.actor_mesh",
+    "current_rank": "actor.actor_mesh", "current_size": "actor.actor_mesh", "WaitCycleError": "actor.cycles",
+    "Ref": "tensors.handles", "device_mesh": "tensors.store", "RDMABuffer": "tensors.buffer",
     "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
     "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
     "SerializationError": "errors", "TransportError": "errors",

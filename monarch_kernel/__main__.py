@@ -56,7 +56,7 @@ def _install(argv: list[str]) -> int:
 
 
 def _worker(argv: list[str]) -> int:
-    from monarch_kernel.worker import main
+    from monarch_kernel.worker.worker import main
 
     return int(main(argv) or 0)
 

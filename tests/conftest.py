@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from monarch_kernel.testing import KernelSession, worker_pids
+from monarch_kernel.testing.kernel import KernelSession, worker_pids
 
 
 def _kernel_session():
@@ -35,7 +35,7 @@ def shared_kernel():
 @pytest.fixture
 def local_mesh():
     """A 4-rank local mesh driven from this test process (the test is the controller)."""
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     m = spawn_procs(4)
     try:

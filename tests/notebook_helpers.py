@@ -10,7 +10,7 @@ def kernel_pid_hook(client_ref: list[Any], pids: list[int]) -> Any:
     ``pids`` (at the first cell; ``client_ref[0]`` is the NotebookClient).
     The kernel's workers name it with ``--controller-pid``, so a test can
     look for its own leftover workers only, not other meshes on the machine
-    (``monarch_kernel.testing.worker_pids(pid)``)."""
+    (``monarch_kernel.testing.kernel.worker_pids(pid)``)."""
     def hook(**_kw: Any) -> None:
         if not pids:
             pids.append(client_ref[0].km.provisioner.pid)

@@ -11,8 +11,8 @@ import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, ActorError, ActorMesh, current_rank, endpoint, this_host
-from monarch_kernel.actor import WaitCycleError
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.actor.actor_mesh import WaitCycleError
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

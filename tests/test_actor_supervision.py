@@ -9,7 +9,7 @@ import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, endpoint, this_host
-from monarch_kernel.testing import wait_for
+from monarch_kernel.testing.kernel import wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
 

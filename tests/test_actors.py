@@ -26,7 +26,7 @@ from monarch_kernel import (
     endpoint,
     this_host,
 )
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 # the workers cannot import this test module: ship its classes by value, like a notebook's
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -158,7 +158,7 @@ class Relay(Actor):
 
     @endpoint
     def peer_stats(self) -> dict:
-        from monarch_kernel.actor_host import stats
+        from monarch_kernel.actor.host import stats
 
         return stats()
 
@@ -574,7 +574,7 @@ def test_dead_rank_raises_mesh_failure():
 
 
 def test_encrypted_mesh_encrypts_peer_sockets_too():
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     with spawn_procs(2, encrypt=True) as pm:
         mine = {p.pid for p in pm.launcher.placements().values()}

@@ -20,7 +20,7 @@ import pytest
 from test_peer_calls import Sleeper, Waiter
 
 from monarch_kernel import Actor, MeshError, MeshFailure, endpoint, this_host
-from monarch_kernel.testing import wait_for
+from monarch_kernel.testing.kernel import wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
@@ -215,7 +215,8 @@ class Keys(Actor):
     @endpoint
     def held(self) -> dict:
         """What this worker keeps for other meshes."""
-        from monarch_kernel import actor_peers, worker
+        from monarch_kernel.actor import peers as actor_peers
+        from monarch_kernel.worker import worker as worker
 
         h = actor_peers._host
         return {"keyring": len(worker.current.keyring),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_kernel.testing import worker_pids
+from monarch_kernel.testing.kernel import worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_stream_and_broadcast_in_a_cell(kc):
     assert r.status == "ok", r.error_text()
     assert r.result_text() == "[11, 11]"
     r = kc.execute("cells.bad.broadcast()\n"
-                   "from monarch_kernel.testing import wait_for\n"
+                   "from monarch_kernel.testing.kernel import wait_for\n"
                    "wait_for(lambda: len(cells.broadcast_failures) == 2, 30)\n"
                    "import time; time.sleep(0.2)\n"
                    "print(sorted(type(e).__name__ for e in cells.broadcast_failures))",

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from monarch_kernel.testing import KernelSession
+from monarch_kernel.testing.kernel import KernelSession
 
 pytestmark = pytest.mark.timeout(300)
 

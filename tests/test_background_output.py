@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from monarch_kernel.output import BackgroundOutput
+from monarch_kernel.controller.output import BackgroundOutput
 
 
 def _collect(partial_s: float = 60.0):

@@ -15,11 +15,14 @@ import time
 import cloudpickle
 import pytest
 
-from monarch_kernel import Actor, MeshFailure, batching, endpoint
-from monarch_kernel.controller import Controller
+from monarch_kernel import Actor
+from monarch_kernel import MeshFailure
+from monarch_kernel.controller import batching as batching
+from monarch_kernel import endpoint
+from monarch_kernel.controller.controller import Controller
 from monarch_kernel.errors import TransportError
-from monarch_kernel.procmesh import spawn_procs
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.mesh.procmesh import spawn_procs
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -214,7 +217,7 @@ def test_a_callback_of_a_failed_batch_does_not_overtake_held_calls(monkeypatch):
         beat = ctl.codec.encode("heartbeat")
 
         def connection_gone() -> bool:
-            lane = ctl._lane_of.get(0)  # (a local rank's lane, monarch_kernel.lane)
+            lane = ctl._lane_of.get(0)  # (a local rank's lane, monarch_kernel.transport.lane)
             if lane is None:
                 return not ctl._send_down(ctl.ranks[0].identity, beat, retry=0)
             try:
@@ -243,7 +246,7 @@ def test_a_batch_rejects_calls_to_a_missing_actor_one_by_one(procs, logs, monkey
     """Each call of a batch is handled as if it came alone: one to an actor the rank
     does not have fails (naming it), the others run, in order; a malformed batch is
     dropped and the rank goes on."""
-    from monarch_kernel.actor_host import Packed
+    from monarch_kernel.actor.host import Packed
 
     ctl = procs.controller
     one = logs.slice(procs=0)

@@ -109,7 +109,7 @@ class Holder(Actor):
 
     @endpoint
     def registered(self, buf: RDMABuffer) -> bool:
-        from monarch_kernel import buffer
+        from monarch_kernel.tensors import buffer as buffer
 
         return buffer.registered(buf._id)
 
@@ -136,7 +136,7 @@ class Holder(Actor):
 def _force_route(route: str | None) -> None:
     """Take the given route in this worker (the cross-host one cannot be had on
     one host otherwise); the transfer itself is the real one."""
-    from monarch_kernel import buffer_ops
+    from monarch_kernel.tensors import buffer_ops as buffer_ops
 
     if route is None:
         if hasattr(buffer_ops, "_real_route"):
@@ -294,7 +294,7 @@ class GpuHolder(Actor):
     def read(self, buf: RDMABuffer, n: int, device: str, route: str | None = None) -> object:
         import torch
 
-        from monarch_kernel import buffer_ops
+        from monarch_kernel.tensors import buffer_ops as buffer_ops
 
         _force_route(route)
         before = dict(buffer_ops.routes)

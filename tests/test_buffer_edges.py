@@ -11,7 +11,11 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from monarch_kernel import Actor, RDMABuffer, endpoint, shm, spawn_procs
+from monarch_kernel import Actor
+from monarch_kernel import RDMABuffer
+from monarch_kernel import endpoint
+from monarch_kernel.wire import shm as shm
+from monarch_kernel import spawn_procs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -34,7 +38,7 @@ class Edge(Actor):
 
     @endpoint
     def small_pool(self, nbytes: int) -> None:
-        from monarch_kernel import worker
+        from monarch_kernel.worker import worker as worker
 
         worker.current.codec.pool.max_bytes = nbytes
 
@@ -46,9 +50,9 @@ class Edge(Actor):
 
     @endpoint
     def read(self, buf: RDMABuffer, route: str | None = None, limit: int | None = None) -> str:
-        from monarch_kernel import buffer_ops
-        from monarch_kernel.actor_peers import peer_host
-        from monarch_kernel.worker import current
+        from monarch_kernel.tensors import buffer_ops as buffer_ops
+        from monarch_kernel.actor.peers import peer_host
+        from monarch_kernel.worker.worker import current
 
         real = buffer_ops._route
         if route:
@@ -146,7 +150,7 @@ def test_in_band_limit_is_a_clear_error(edges) -> None:
 
 def test_another_mesh_of_the_program_reads_a_buffer_another_program_cannot(edges) -> None:
     """The ranks of another mesh of this program read a buffer (shared memory and
-    in-band, signed with the owner mesh's key: monarch_kernel.mesh_keys); a
+    in-band, signed with the owner mesh's key: monarch_kernel.actor.mesh_keys); a
     buffer of a stopped mesh, or of another program's, is refused at once."""
     import subprocess
     import textwrap
@@ -195,7 +199,7 @@ def test_deadlines_fire_once_and_cancelled_ones_never() -> None:
     import threading
     import time
 
-    from monarch_kernel.buffer_ops import _Deadlines
+    from monarch_kernel.tensors.buffer_ops import _Deadlines
 
     d = _Deadlines()
     d.IDLE_S = 0.2  # (its thread ends once idle: none is left behind)

@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any
 
-from monarch_kernel.testing import KernelSession
+from monarch_kernel.testing.kernel import KernelSession
 
 BUSY = """%%mesh --ranks 1
 import time

@@ -13,7 +13,7 @@ import nbformat
 import psutil
 import pytest
 
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from monarch_kernel.debug import server
 from monarch_kernel.debug.console import DebugConsole, parse_debug_ranks
 from monarch_kernel.debug.registry import registry_for
 from monarch_kernel.errors import RankSpecError
-from monarch_kernel.mesh import Shape
+from monarch_kernel.mesh.shape import Shape
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from monarch_kernel.testing import KernelSession, wait_for, worker_pids
+from monarch_kernel.testing.kernel import KernelSession, wait_for, worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_rank_ignoring_sigint_is_killed_after_5_s(ks):
 
 def test_missed_heartbeats_detect_a_silent_remote_rank():
     from monarch_kernel.launchers.local import LocalLauncher
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     class RemoteLike(LocalLauncher):  # local processes, supervised as if remote
         local = False

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from monarch_kernel.transport import FdPoller, drain, has_input, send_frames
+from monarch_kernel.transport.sockets import FdPoller, drain, has_input, send_frames
 
 
 @pytest.fixture

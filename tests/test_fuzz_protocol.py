@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_kernel import protocol
+from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(300)

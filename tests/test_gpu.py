@@ -7,7 +7,7 @@ GPU machine the module takes well under a minute (meshes of 1 or 2 ranks,
 shared where the tests leave them usable).
 
 Run with the project on ``PYTHONPATH`` (no install needed): workers start as
-``sys.executable -m monarch_kernel.worker`` and inherit the environment.
+``sys.executable -m monarch_kernel.worker.worker`` and inherit the environment.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_kernel import Actor, endpoint, serialize
-from monarch_kernel.procmesh import spawn_procs
-from monarch_kernel.tensors import show
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel import Actor
+from monarch_kernel import endpoint
+from monarch_kernel.wire import serialize as serialize
+from monarch_kernel.mesh.procmesh import spawn_procs
+from monarch_kernel.tensors.handles import show
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

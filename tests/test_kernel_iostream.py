@@ -11,7 +11,7 @@ from ipykernel.iostream import IOPubThread
 from jupyter_client.session import Session
 
 from monarch_kernel.kernel.iostream import OutStream
-from monarch_kernel.testing import KernelSession
+from monarch_kernel.testing.kernel import KernelSession
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from monarch_kernel.testing import KernelSession, wait_for, worker_pids
+from monarch_kernel.testing.kernel import KernelSession, wait_for, worker_pids
 
 
 @pytest.fixture(scope="module")

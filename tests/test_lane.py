@@ -24,10 +24,10 @@ import zmq
 
 from monarch_kernel import Actor, endpoint
 from monarch_kernel.errors import TransportError
-from monarch_kernel.lane import Lane, pair
-from monarch_kernel.procmesh import spawn_procs
-from monarch_kernel.switches import lanes_enabled
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.transport.lane import Lane, pair
+from monarch_kernel.mesh.procmesh import spawn_procs
+from monarch_kernel.util.switches import lanes_enabled
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
@@ -64,7 +64,7 @@ def test_lanes_enabled_reads_the_environment() -> None:
 
 def test_peer_lead_is_0_or_1_and_a_mesh_with_another_value_is_refused(monkeypatch) -> None:
     from monarch_kernel import spawn_procs
-    from monarch_kernel.switches import peer_lead_enabled
+    from monarch_kernel.util.switches import peer_lead_enabled
 
     assert peer_lead_enabled({}) is True
     assert peer_lead_enabled({"MONARCH_PEER_LEAD": " 1"}) is True
@@ -110,7 +110,7 @@ def test_a_message_over_the_limit_is_refused_before_room_is_made() -> None:
         finally:
             a.close()
             lane.close()
-    from monarch_kernel.lane import MAX_FRAMES
+    from monarch_kernel.transport.lane import MAX_FRAMES
 
     a, b = pair()
     lane = Lane(b, "limited", limit=1 << 40)
@@ -279,7 +279,7 @@ def test_workers_leave_at_once_when_the_controller_is_killed(tmp_path) -> None:
     script = tmp_path / "ctl.py"
     script.write_text(textwrap.dedent("""
         import sys, time
-        from monarch_kernel.procmesh import spawn_procs
+        from monarch_kernel.mesh.procmesh import spawn_procs
         m = spawn_procs(2, heartbeat=5.0)
         print(",".join(str(m.controller.ranks[r].pid) for r in (0, 1)), flush=True)
         time.sleep(60)
@@ -410,7 +410,7 @@ def test_a_dead_peer_is_an_error_not_a_sigpipe(tmp_path) -> None:
     script.write_text(textwrap.dedent("""
         import signal
         from monarch_kernel.errors import TransportError
-        from monarch_kernel.lane import Lane, pair
+        from monarch_kernel.transport.lane import Lane, pair
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         a, b = pair()
         lane = Lane(a, "a")

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from monarch_kernel.testing import KernelSession, worker_pids
+from monarch_kernel.testing.kernel import KernelSession, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 

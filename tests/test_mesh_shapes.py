@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from monarch_kernel.errors import MeshError, RankSpecError
-from monarch_kernel.mesh import Shape, ValueMesh, parse_ranks
+from monarch_kernel.mesh.shape import Shape, ValueMesh, parse_ranks
 
 
 def test_slice_int_drops_dimension_and_slice_keeps_it():
@@ -45,7 +45,7 @@ def test_parse_ranks_errors(spec, match):
 def test_restart_takes_a_rank_spec_as_the_magic_does() -> None:
     """``mesh.restart`` takes the rank specs ``%mesh restart`` takes ("all",
     "0,1", "0:2"), and a bad one is a clear RankSpecError, not a hang."""
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     m = spawn_procs(2)
     try:
@@ -69,7 +69,7 @@ def test_a_size_that_is_not_a_whole_number_is_refused(size):
 
 
 def test_a_negative_timeout_is_refused_clearly():
-    from monarch_kernel.future import Future
+    from monarch_kernel.actor.future import Future
 
     f = Future.failed(RuntimeError("x"))
     with pytest.raises(ValueError, match="timeout is in seconds"):

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 SCRIPT_DRIVER = r'''
 import json, os, socket, sys, time
 import psutil, torch
-from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.mesh.procmesh import spawn_procs
 from netns_helpers import NetnsLauncher
 
 ns2, bind = sys.argv[1], sys.argv[2]
@@ -68,7 +68,7 @@ try:
         "x = torch.ones(1) * (rank + 1)\ndist.all_reduce(x)\nx.item()").values()
     out["master_addr"] = m.exec("os.environ['MASTER_ADDR']").values()
     try:
-        from monarch_kernel.actor import Actor, current_rank, endpoint
+        from monarch_kernel.actor.actor_mesh import Actor, current_rank, endpoint
     except ImportError as e:
         out["actor"] = f"unavailable: {e}"
     else:
@@ -93,7 +93,7 @@ print("RESULT " + json.dumps(out), flush=True)
 
 KERNEL_DRIVER = r'''
 import json, sys
-from monarch_kernel.testing import KernelSession
+from monarch_kernel.testing.kernel import KernelSession
 
 bind = sys.argv[1]
 cells = [

@@ -9,7 +9,7 @@ import nbformat
 from nbclient import NotebookClient
 from notebook_helpers import kernel_pid_hook
 
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 

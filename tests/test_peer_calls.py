@@ -27,7 +27,7 @@ class Echo(Actor):
 class Caller(Actor):
     @endpoint
     def peer_stats(self) -> dict:
-        from monarch_kernel.actor_peers import stats
+        from monarch_kernel.actor.peers import stats
 
         return stats()
 

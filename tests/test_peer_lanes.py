@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 _PRELUDE = """
 import logging, os, socket, struct, sys, threading, time, types
 import zmq
-from monarch_kernel import protocol
-from monarch_kernel.actor_peers import PeerHost
+from monarch_kernel.wire import protocol as protocol
+from monarch_kernel.actor.peers import PeerHost
 
 warnings = []
 class _Count(logging.Handler):
@@ -53,7 +53,7 @@ def test_a_listener_that_is_not_the_peers_process_is_refused():
     lane name is the peer (the pid in the name) and of this user; else it
     keeps ZeroMQ for that address."""
     out = _run("""
-        from monarch_kernel.peer_lanes import dial as _dial
+        from monarch_kernel.transport.peer_lanes import dial as _dial
         h = make_host()
         # a listener of this process under a name that claims another pid
         fake = f"monarch-peer-{os.getpid() + 1}-00112233aabbccdd"

@@ -51,7 +51,7 @@ class Peer(Actor):
 
     @endpoint
     def stats(self) -> dict:
-        from monarch_kernel.actor_peers import stats
+        from monarch_kernel.actor.peers import stats
 
         return stats()
 
@@ -224,8 +224,8 @@ def test_input_that_woke_a_thread_which_gave_up_the_lane_is_read_by_its_holder()
     # message until the next one came. The holder must read again before it lets
     # go. Real lanes over a socket pair; the host's handlers only record and, for
     # the first message, take long (PeerHost._drain is what is tested).
-    from monarch_kernel import lane as lane_mod
-    from monarch_kernel.actor_peers import PeerHost
+    from monarch_kernel.transport import lane as lane_mod
+    from monarch_kernel.actor.peers import PeerHost
 
     class Host:  # what _drain uses of a PeerHost
         rank = 0

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_kernel import protocol, serialize, shm
+from monarch_kernel.wire import protocol as protocol
+from monarch_kernel.wire import serialize as serialize
+from monarch_kernel.wire import shm as shm
 from monarch_kernel.errors import ProtocolError, SerializationError
 
 

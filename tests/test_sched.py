@@ -1,4 +1,4 @@
-"""Workers run under SCHED_BATCH unless MONARCH_SCHED_BATCH=0 (monarch_kernel.sched)."""
+"""Workers run under SCHED_BATCH unless MONARCH_SCHED_BATCH=0 (monarch_kernel.worker.sched)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, endpoint, spawn_procs
-from monarch_kernel.switches import sched_batch_enabled
+from monarch_kernel.util.switches import sched_batch_enabled
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
@@ -94,7 +94,7 @@ def _batch_scheduling_in_a_child(setup: str, env: dict[str, str] | None = None
     code = (
         "import logging, os\n"
         f"{setup}\n"
-        "from monarch_kernel.sched import batch_scheduling\n"
+        "from monarch_kernel.worker.sched import batch_scheduling\n"
         "names = {getattr(os, n): n for n in ('SCHED_OTHER', 'SCHED_BATCH', 'SCHED_IDLE')}\n"
         "print(batch_scheduling(), names[os.sched_getscheduler(0)])\n"
     )

@@ -1,5 +1,5 @@
 """Receive buffers of pooled shared-memory transfers are recycled only when
-nothing refers to them any more (monarch_kernel.shm._recv_buffer)."""
+nothing refers to them any more (monarch_kernel.wire.shm._recv_buffer)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import gc
 import numpy as np
 import pytest
 
-from monarch_kernel import protocol, shm
+from monarch_kernel.wire import protocol as protocol
+from monarch_kernel.wire import shm as shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
 
@@ -103,7 +104,7 @@ def test_replies_reuse_the_workers_pooled_files():
 
         @endpoint
         def files(self) -> int:
-            from monarch_kernel import worker
+            from monarch_kernel.worker import worker as worker
 
             pool = worker.current.codec.pool
             return len(pool._free) + len(pool._busy)
@@ -139,7 +140,7 @@ def test_a_killed_workers_pooled_files_are_removed():
     import cloudpickle
 
     from monarch_kernel import Actor, endpoint, spawn_procs
-    from monarch_kernel.testing import wait_for
+    from monarch_kernel.testing.kernel import wait_for
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -172,15 +173,18 @@ def test_a_killed_workers_unseen_pool_files_are_swept_soon(monkeypatch):
 
     import cloudpickle
 
-    from monarch_kernel import Actor, controller, endpoint, spawn_procs
-    from monarch_kernel.testing import wait_for
+    from monarch_kernel import Actor
+    from monarch_kernel.controller import controller as controller
+    from monarch_kernel import endpoint
+    from monarch_kernel import spawn_procs
+    from monarch_kernel.testing.kernel import wait_for
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     class Holder(Actor):
         @endpoint
         def hold(self) -> str:
-            from monarch_kernel import shm as worker_shm
+            from monarch_kernel.wire import shm as worker_shm
 
             self.pool = worker_shm.Pool()  # (as a peer or buffer pool: locked, kept)
             name, self.mm = self.pool.lease(1 << 20)
@@ -222,7 +226,7 @@ def test_pooled_files_of_a_killed_process_are_swept_and_live_ones_kept(tmp_path,
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent(f"""
         import time
-        from monarch_kernel import shm
+        from monarch_kernel.wire import shm as shm
         shm.DIRECTORY = {str(shm_dir)!r}
         pool = shm.Pool()
         name, mm = pool.lease(1 << 20)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from monarch_kernel.sigint import DeferredSigint
+from monarch_kernel.util.sigint import DeferredSigint
 
 
 def _sigint() -> None:

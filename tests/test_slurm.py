@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from monarch_kernel.testing import KernelSession, wait_for
+from monarch_kernel.testing.kernel import KernelSession, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm_ci.sh"
@@ -114,7 +114,7 @@ def _workers_of(address: str) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "monarch_kernel.worker" in cmd and address in cmd:
+        if "monarch_kernel.worker.worker" in cmd and address in cmd:
             out.append(p.info["pid"])
     return out
 
@@ -197,7 +197,7 @@ def test_2x2_on_one_node_then_restart_and_shutdown_cancel_the_jobs(slurm):
 
 ALLOC_DRIVER = r'''
 import os, subprocess
-from monarch_kernel.procmesh import spawn_procs
+from monarch_kernel.mesh.procmesh import spawn_procs
 job = os.environ["SLURM_JOB_ID"]
 m = spawn_procs(2, launcher="slurm", timeout=60)
 code = "import os\n(os.environ['SLURM_JOB_ID'], os.environ['SLURM_STEP_ID'])"
@@ -229,7 +229,7 @@ def test_inside_an_allocation_steps_are_started_with_srun(slurm, tmp_path):
 
 def test_a_job_that_fails_to_start_says_why(slurm, capsys):
     from monarch_kernel.errors import MeshFailure
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     with pytest.raises(MeshFailure) as e:
         spawn_procs(2, launcher="slurm", timeout=60,

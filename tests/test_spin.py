@@ -17,9 +17,9 @@ import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, endpoint
-from monarch_kernel.controller_io import MAX_MISSES, SPIN_US, spin_seconds
-from monarch_kernel.procmesh import spawn_procs
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.controller.io import MAX_MISSES, SPIN_US, spin_seconds
+from monarch_kernel.mesh.procmesh import spawn_procs
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
@@ -116,7 +116,7 @@ def test_output_read_from_pipes_does_not_spin(sleeper, monkeypatch) -> None:
 def test_the_spin_yields_between_looks(sleeper, monkeypatch) -> None:
     """Between two looks at the ROUTER the spinning caller gives its core away
     (a thread it woke may wait behind it)."""
-    from monarch_kernel import controller_io
+    from monarch_kernel.controller import io as controller_io
 
     pm, one = sleeper
     ctl = pm.controller
@@ -149,7 +149,7 @@ def test_a_yield_that_loses_the_core_turns_the_spin_off(sleeper, monkeypatch) ->
     """A yield that kept the core away for CONTENDED_S (another task runnable on
     the caller's core: each yield could cost its whole time slice) ends the
     spin, and no wait spins for CONTENDED_OFF_S."""
-    from monarch_kernel import controller_io
+    from monarch_kernel.controller import io as controller_io
 
     pm, one = sleeper
     ctl = pm.controller
@@ -199,7 +199,7 @@ def test_no_spin_on_one_core(sleeper, monkeypatch) -> None:
 
 
 def test_no_spin_while_busy_ranks_outnumber_the_cores(monkeypatch) -> None:
-    from monarch_kernel import controller_io
+    from monarch_kernel.controller import io as controller_io
 
     # (this test is about the busy-ranks rule: a yield kept long by a loaded machine
     # must not turn the spin off for a second, the contended-core rule, meanwhile)

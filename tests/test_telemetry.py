@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from monarch_kernel import telemetry
+from monarch_kernel.worker import telemetry as telemetry
 from monarch_kernel.launchers.base import LaunchSpec, worker_command
-from monarch_kernel.testing import wait_for
+from monarch_kernel.testing.kernel import wait_for
 
 
 # ----------------------------------------------------------------- activity
@@ -203,7 +203,7 @@ def test_worker_command_passes_the_interval():
 
 # ------------------------------------------------------------ real workers
 def test_workers_report_state_messages():
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     seen: list[tuple[str, int]] = []
     with spawn_procs(2, telemetry_interval=0.2) as m:
@@ -227,7 +227,7 @@ def test_workers_report_state_messages():
 
 
 def test_telemetry_off():
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     with spawn_procs(1, telemetry_interval=0) as m:
         m.exec("1")  # the worker is up and answering

@@ -15,10 +15,14 @@ import cloudpickle
 import pytest
 import torch
 
-from monarch_kernel import Actor, MeshError, MeshFailure, endpoint, serialize
-from monarch_kernel.procmesh import spawn_procs
-from monarch_kernel.tensors import Ref
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel import Actor
+from monarch_kernel import MeshError
+from monarch_kernel import MeshFailure
+from monarch_kernel import endpoint
+from monarch_kernel.wire import serialize as serialize
+from monarch_kernel.mesh.procmesh import spawn_procs
+from monarch_kernel.tensors.handles import Ref
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 MB = 1 << 20
 
@@ -31,7 +35,7 @@ def mesh():
     """A 1x4 gloo mesh shared by the tests of this module (they leave it usable)."""
     m = spawn_procs(4, dist="gloo")
     try:
-        m.exec("torch.set_num_threads(1)\nimport monarch_kernel.tensor_store as T")
+        m.exec("torch.set_num_threads(1)\nimport monarch_kernel.tensors.store as T")
         yield m
     finally:
         m.stop()
@@ -71,7 +75,7 @@ class Doubler(Actor):
 
     @endpoint
     def same_object(self) -> bool:
-        import monarch_kernel.tensor_store as T
+        import monarch_kernel.tensors.store as T
 
         return any(v is self.last for v in T._store.values())
 

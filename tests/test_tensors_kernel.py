@@ -81,7 +81,7 @@ def test_help_lists_ref_and_show(k22):
 
 
 COUNT = """\
-import monarch_kernel.serialize as _S
+import monarch_kernel.wire.serialize as _S
 _moved, _dumps, _loads = [0], _S.dumps, _S.loads
 def _counting_dumps(obj):
     payload, buffers = _dumps(obj)

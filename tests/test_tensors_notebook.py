@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from monarch_kernel.testing import wait_for, worker_pids
+from monarch_kernel.testing.kernel import wait_for, worker_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,8 @@ import pytest
 import zmq
 from wire_attack_helpers import Evil, controller_drops, dealer, envelope, split, two_rank_mesh
 
-from monarch_kernel import protocol
-from monarch_kernel.testing import wait_for
+from monarch_kernel.wire import protocol as protocol
+from monarch_kernel.testing.kernel import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +33,7 @@ def mesh():
 
 # ---------------------------------------------------------- a controller
 def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
-    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
+    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller.controller")
     ctl = mesh.controller
     req = mesh.run("import time; time.sleep(1.0); 'genuine'", [0])
     ctx = zmq.Context()
@@ -80,7 +80,7 @@ def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
 
 
 def test_oversized_message_to_the_controller_is_dropped(mesh, caplog):
-    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
+    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller.controller")
     ctx = zmq.Context()
     try:
         d = dealer(ctx, mesh.controller.address, b"r1")
@@ -125,8 +125,8 @@ def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd, via):
     import cloudpickle
 
     from monarch_kernel import Actor, endpoint
-    from monarch_kernel.lane import prepare
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.transport.lane import prepare
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -194,7 +194,7 @@ def test_a_peer_lane_claiming_a_huge_message_or_of_another_user_is_dropped(capfd
     import cloudpickle
 
     from monarch_kernel import Actor, endpoint
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

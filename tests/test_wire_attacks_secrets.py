@@ -20,8 +20,8 @@ import pytest
 import zmq
 from wire_attack_helpers import controller_drops, dealer, two_rank_mesh
 
-from monarch_kernel import protocol
-from monarch_kernel.testing import wait_for
+from monarch_kernel.wire import protocol as protocol
+from monarch_kernel.testing.kernel import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,7 @@ def mesh():
 
 # ------------------------------------------------------------- keys, files, ports
 def test_keys_are_random_per_mesh_and_never_in_argv(mesh):
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     other = spawn_procs(1)
     try:
@@ -64,7 +64,7 @@ def test_key_file_of_the_slurm_launcher_is_0600(tmp_path):
 
 
 def test_shared_memory_files_are_0600():
-    from monarch_kernel import shm
+    from monarch_kernel.wire import shm as shm
 
     if not shm.available():
         pytest.skip("no /dev/shm here")
@@ -147,8 +147,8 @@ class LoopbackSniffer:
 
 
 def _non_loopback_address() -> str:
-    from monarch_kernel.netaddr import primary_address
-    from monarch_kernel.transport import is_loopback
+    from monarch_kernel.transport.netaddr import primary_address
+    from monarch_kernel.transport.sockets import is_loopback
 
     addr = primary_address()
     if is_loopback(addr):
@@ -182,7 +182,7 @@ def test_beyond_loopback_traffic_is_encrypted(capfd, monkeypatch):
     send nothing over the network at all."""
     import secrets
 
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     monkeypatch.setenv("MONARCH_LANES", "0")
     addr = _non_loopback_address()
@@ -226,9 +226,9 @@ def test_encrypted_controller_refuses_plain_and_wrongly_keyed_clients(caplog):
     """A plain (NULL mechanism) client never gets through the CURVE handshake; a
     CURVE client that knows the server's public key (it is on the workers' command
     line) gets through, but without the mesh key its messages are dropped."""
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
-    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller")
+    caplog.set_level(logging.WARNING, logger="monarch_kernel.controller.controller")
     m = spawn_procs(1, bind=_non_loopback_address(), timeout=30)
     ctx = zmq.Context()
     try:
@@ -257,7 +257,7 @@ def test_encrypted_controller_refuses_plain_and_wrongly_keyed_clients(caplog):
 
 
 def test_wildcard_bind_listens_everywhere_encrypted():
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     m = spawn_procs(2, bind="0.0.0.0", timeout=30)
     try:

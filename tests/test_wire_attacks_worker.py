@@ -27,8 +27,9 @@ import pytest
 import zmq
 from wire_attack_helpers import Evil, envelope, fields, split
 
-from monarch_kernel import protocol, serialize
-from monarch_kernel.testing import wait_for
+from monarch_kernel.wire import protocol as protocol
+from monarch_kernel.wire import serialize as serialize
+from monarch_kernel.testing.kernel import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +57,7 @@ class FakeController:
         self.address = f"tcp://127.0.0.1:{port}"
         self.errpath = tmp / "worker-stderr.txt"
         self._err = open(self.errpath, "wb")  # noqa: SIM115 - closed by close()
-        cmd = [sys.executable, "-m", "monarch_kernel.worker", "--controller", self.address,
+        cmd = [sys.executable, "-m", "monarch_kernel.worker.worker", "--controller", self.address,
                "--rank", "0", "--world-size", "1", "--heartbeat-timeout", "120",
                "--telemetry-interval", "0"]
         if limits:
@@ -335,6 +336,6 @@ def test_default_header_limit_is_64_mib(tmp_path, marker):
 
 
 def test_worker_limits_are_configurable():
-    out = subprocess.run([sys.executable, "-m", "monarch_kernel.worker", "--help"],
+    out = subprocess.run([sys.executable, "-m", "monarch_kernel.worker.worker", "--help"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert "--max-header" in out.stdout and "--max-buffers" in out.stdout

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
-from monarch_kernel import protocol
+from monarch_kernel.wire import protocol as protocol
 
 __all__ = ["Evil", "controller_drops", "dealer", "envelope", "fields", "split", "two_rank_mesh"]
 
@@ -66,7 +66,7 @@ def dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
 def controller_drops(caplog) -> list[str]:
     """The controller's "dropped a message" warnings caught by ``caplog``."""
     return [r.getMessage() for r in caplog.records
-            if r.name == "monarch_kernel.controller" and "dropped a message" in r.getMessage()]
+            if r.name == "monarch_kernel.controller.controller" and "dropped a message" in r.getMessage()]
 
 
 def two_rank_mesh() -> Iterator[Any]:
@@ -74,7 +74,7 @@ def two_rank_mesh() -> Iterator[Any]:
     in a fixture). Its workers use ZeroMQ (``MONARCH_LANES=0``), as workers on
     other hosts do: the attacks here go through the controller's sockets, and a
     lane (a socket pair a local worker inherits) has no address to attack."""
-    from monarch_kernel.procmesh import spawn_procs
+    from monarch_kernel.mesh.procmesh import spawn_procs
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MONARCH_LANES", "0")

@@ -1,6 +1,6 @@
 """The controller side's record of debugger sessions: which ranks are paused, where.
 
-A :class:`DebugRegistry` listens to one :class:`~monarch_kernel.controller.Controller`
+A :class:`DebugRegistry` listens to one :class:`~monarch_kernel.controller.controller.Controller`
 (``controller.listeners``) and keeps a :class:`DebugSession` per remote pdb
 session (one per paused thread of a rank). The controller's I/O thread
 updates it from ``debug`` messages; the kernel's main thread reads it and

@@ -29,7 +29,7 @@ paused code, as it would be in running code.
 The controller knows a session's state only from these messages, so a
 session never leaves pdb without saying so: an interrupt is held back
 while a session updates its state and sends its message
-(:class:`~monarch_kernel.sigint.DeferredSigint`), and an interrupt that lands just after pdb's
+(:class:`~monarch_kernel.util.sigint.DeferredSigint`), and an interrupt that lands just after pdb's
 command loop (e.g. right after a release or ``c``, before the message that
 says so) still ends the session with an ``ended`` message. Otherwise the
 controller would keep the session as ``paused`` while nothing waits for
@@ -55,7 +55,7 @@ import threading
 import types
 from typing import Any
 
-from ..sigint import DeferredSigint
+from monarch_kernel.util.sigint import DeferredSigint
 
 __all__ = [
     "RemotePdb",
@@ -114,7 +114,7 @@ class RemotePdb(pdb.Pdb):
 
     Parameters
     ----------
-    worker : monarch_kernel.worker.Worker
+    worker : monarch_kernel.worker.worker.Worker
         The worker of this process (sends the messages).
     post_mortem : bool
         True for a post-mortem session (it ends when its prompt loop ends).
@@ -150,7 +150,7 @@ class RemotePdb(pdb.Pdb):
             return p
         if self.thread_id == self.worker.main_thread_id:
             return self.worker.current_parent
-        host = sys.modules.get("monarch_kernel.actor_host")
+        host = sys.modules.get("monarch_kernel.actor.host")
         if host is not None and getattr(host.context, "actor", None) is not None:
             return self.worker.current_parent  # an actor's thread: the call it serves
         return None
@@ -348,7 +348,7 @@ class RemotePdb(pdb.Pdb):
 def _activity(text: str) -> Any:
     """telemetry's ``activity`` block (the dashboard shows the rank as paused)."""
     try:
-        from .. import telemetry
+        from monarch_kernel.worker import telemetry
 
         return telemetry.activity(text)
     except Exception:  # noqa: BLE001 - telemetry is optional here

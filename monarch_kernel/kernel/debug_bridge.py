@@ -19,11 +19,11 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ..controller import Request
-from ..debug.console import DebugConsole, report_quits
-from ..debug.registry import registry_for
-from ..output import RankPrinter
-from ..procmesh import ProcMesh, raise_failures
+from monarch_kernel.controller.controller import Request
+from monarch_kernel.debug.console import DebugConsole, report_quits
+from monarch_kernel.debug.registry import registry_for
+from monarch_kernel.controller.output import RankPrinter
+from monarch_kernel.mesh.procmesh import ProcMesh, raise_failures
 
 __all__ = ["POST_MORTEM_CODE", "call_debug_event", "cell_console", "debug_command",
            "stdin_bridge"]
@@ -65,7 +65,7 @@ _call_consoles: weakref.WeakKeyDictionary[Request, DebugConsole] = weakref.WeakK
 
 
 def _mesh_of(req: Request) -> ProcMesh | None:
-    from .. import procmesh
+    from monarch_kernel.mesh import procmesh
 
     for m in list(procmesh._live):
         if req.id in m.controller.pending:
@@ -85,7 +85,7 @@ def call_debug_event(req: Request, ev: tuple, printer: RankPrinter | None) -> No
         m = _mesh_of(req)
         if m is None:
             return
-        from ..actor import _display
+        from monarch_kernel.actor.actor_mesh import _display
 
         def on_event(e: tuple) -> None:
             if e[0] == "stream" and printer is not None:
@@ -120,7 +120,7 @@ def debug_command(magics: Any, argv: list[str]) -> None:
     UsageError
         For bad arguments, or a rank with no exception to debug.
     """
-    from .magics import _parser
+    from monarch_kernel.kernel.magics import _parser
 
     p = _parser("debug")
     p.add_argument("--post-mortem", dest="post_mortem", metavar="RANK", default=None)

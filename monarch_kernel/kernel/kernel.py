@@ -14,8 +14,8 @@ from ipykernel.ipkernel import IPythonKernel
 from ipykernel.zmqshell import ZMQInteractiveShell
 from traitlets import Float, Type
 
-from .. import __version__
-from .magics import MeshMagics
+from monarch_kernel import __version__
+from monarch_kernel.kernel.magics import MeshMagics
 
 __all__ = ["MonarchKernel", "MonarchShell"]
 

@@ -19,17 +19,17 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from ..controller import Request
-from ..controller_io import spin_seconds
-from ..debug.console import report_quits
-from ..debug.registry import registry_for
-from ..errors import MeshError, MonarchError, RankSpecError, _ranks_label
-from ..launchers import get_launcher
-from ..mesh import ValueMesh, parse_ranks
-from ..output import BackgroundOutput, RankPrinter, write_stream
-from ..procmesh import ProcMesh, spawn_procs
-from ..switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
-from .debug_bridge import cell_console, debug_command  # also serves paused actor calls
+from monarch_kernel.controller.controller import Request
+from monarch_kernel.controller.io import spin_seconds
+from monarch_kernel.debug.console import report_quits
+from monarch_kernel.debug.registry import registry_for
+from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, _ranks_label
+from monarch_kernel.launchers import get_launcher
+from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
+from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
+from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
+from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
+from monarch_kernel.kernel.debug_bridge import cell_console, debug_command  # also serves paused actor calls
 
 __all__ = ["MeshMagics"]
 
@@ -373,7 +373,7 @@ class MeshMagics(Magics):
         a = p.parse_args(argv)
         if a.values < 0:
             raise UsageError("%mesh show: --values must be 0 or more")
-        from ..tensors import Ref, show
+        from monarch_kernel.tensors.handles import Ref, show
 
         target = self.shell.user_ns.get(a.target)
         if not isinstance(target, Ref):
@@ -395,7 +395,7 @@ class MeshMagics(Magics):
         if argv:
             raise UsageError(f"%mesh status: unexpected arguments {' '.join(argv)!r}. "
                              f"Usage: {_usage_of('%mesh status')}")
-        from ..ui.status import StatusTable
+        from monarch_kernel.ui.status import StatusTable
 
         return StatusTable(self.current_mesh(), name=self.current)
 
@@ -429,7 +429,7 @@ class MeshMagics(Magics):
             raise UsageError(f"%%mesh --ranks: {e}") from None
         if a.timeout is not None and a.timeout <= 0:
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
-        from ..tensors import bind_refs
+        from monarch_kernel.tensors.handles import bind_refs
 
         bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)

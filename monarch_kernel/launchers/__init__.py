@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Launcher, LaunchSpec, Placement
-from .local import LocalLauncher
+from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement
+from monarch_kernel.launchers.local import LocalLauncher
 
 __all__ = ["LaunchSpec", "Launcher", "LocalLauncher", "Placement", "get_launcher"]
 
@@ -23,7 +23,7 @@ def get_launcher(name: str | Launcher, **options: object) -> Launcher:
     if name == "local":
         return LocalLauncher(**options)
     if name == "slurm":
-        from .slurm import SlurmLauncher
+        from monarch_kernel.launchers.slurm import SlurmLauncher
 
         return SlurmLauncher(**options)
     if isinstance(name, str) and ":" in name:

@@ -9,8 +9,8 @@ import subprocess
 import threading
 from typing import Any
 
-from .. import lane
-from .base import (
+from monarch_kernel.transport import lane
+from monarch_kernel.launchers.base import (
     Launcher,
     LaunchSpec,
     Placement,
@@ -23,7 +23,7 @@ __all__ = ["LocalLauncher"]
 
 
 class LocalLauncher(Launcher):
-    """Start each rank as ``python -m monarch_kernel.worker`` on this host.
+    """Start each rank as ``python -m monarch_kernel.worker.worker`` on this host.
 
     Workers get their own session (so a Ctrl-C meant for the controller is
     not delivered to them directly: interrupts are routed) and watch the
@@ -40,7 +40,7 @@ class LocalLauncher(Launcher):
         #: read ends of each new worker's output pipes
         self.on_pipes: Any = None
         #: set by the controller when local workers get lanes: callable(rank, socket)
-        #: taking the controller's end of each new worker's lane (monarch_kernel.lane)
+        #: taking the controller's end of each new worker's lane (monarch_kernel.transport.lane)
         self.on_lane: Any = None
         self._reported: set[int] = set()
         self._lock = threading.Lock()

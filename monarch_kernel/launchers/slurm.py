@@ -5,7 +5,7 @@ Outside an allocation, :meth:`SlurmLauncher.launch` submits a batch job with
 an existing allocation (``SLURM_JOB_ID`` set, e.g. under ``salloc``) it starts
 that step with ``srun`` directly. Each task computes its rank from
 ``SLURM_PROCID`` (block distribution: ranks are host-major), then execs
-``python -m monarch_kernel.worker``, which connects back to the controller.
+``python -m monarch_kernel.worker.worker``, which connects back to the controller.
 The mesh key reaches workers through the job's environment (``--export=ALL``)
 or, with ``key_dir``, through a 0600 file on a shared file system; never
 through argv or the batch script.
@@ -47,10 +47,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import MeshError, MeshFailure
-from ..netaddr import address_towards, primary_address
-from .base import Launcher, LaunchSpec, Placement
-from .slurm_cli import (
+from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.transport.netaddr import address_towards, primary_address
+from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement
+from monarch_kernel.launchers.slurm_cli import (
     ACTIVE_STATES,
     WAITING_STATES,
     JobInfo,
@@ -64,7 +64,7 @@ from .slurm_cli import (
     slurmctld_host,
     unlink_quiet,
 )
-from .slurm_job import (
+from monarch_kernel.launchers.slurm_job import (
     SlurmUnit,
     batch_script,
     geometry,

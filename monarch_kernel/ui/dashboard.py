@@ -13,7 +13,7 @@ heatmap (more ranks)
 
 How it stays live
 -----------------
-Workers send telemetry about once a second (:mod:`monarch_kernel.telemetry`).
+Workers send telemetry about once a second (:mod:`monarch_kernel.worker.telemetry`).
 The dashboard registers a listener on the mesh's controller: the listener
 (run in the controller's I/O thread) only records each sample in a short
 history and wakes the dashboard's own thread when a rank dies. That thread
@@ -54,7 +54,7 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Dict
 
-from .status import fmt_bytes, fmt_pct, gpu_texts, state_text
+from monarch_kernel.ui.status import fmt_bytes, fmt_pct, gpu_texts, state_text
 
 __all__ = ["Dashboard", "grid_shape", "heatmap_svg", "sparkline_svg"]
 

@@ -7,7 +7,7 @@ running cell, running endpoint NAME, paused, or dead with how it died), cpu
 threads, gpu (utilization %) and gpu mem (device memory used / total, and
 what torch holds), msgs (messages in / out at the controller). GPU columns
 say "no GPU" where the rank's host has none. The figures come from each
-worker's telemetry (:mod:`monarch_kernel.telemetry`); the helpers here
+worker's telemetry (:mod:`monarch_kernel.worker.telemetry`); the helpers here
 format them for the dashboard too.
 """
 
@@ -18,7 +18,7 @@ import io
 import signal
 from typing import Any
 
-from ..telemetry import REQUEST_ACTIVITY
+from monarch_kernel.worker.telemetry import REQUEST_ACTIVITY
 
 __all__ = [
     "COLUMNS",

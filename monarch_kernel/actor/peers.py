@@ -1,0 +1,406 @@
+"""Worker-to-worker actor calls: a worker's peer socket (``monarch-peer``).
+
+:class:`PeerHost` owns this worker's *peer* ROUTER socket, where other
+workers' actors call this worker's actors directly (never through the
+controller), and one DEALER per peer this worker calls. Messages are signed
+with the mesh key like every other message
+(:meth:`~monarch_kernel.wire.protocol.Codec.fork`). Other threads hand it frames
+through an :class:`~monarch_kernel.transport.sockets.Outbox`. Calls it receives go to
+the actors' queues (:mod:`monarch_kernel.actor.host`).
+
+**Same-host peers talk over peer lanes** (:mod:`monarch_kernel.transport.peer_lanes`).
+A worker also listens on a Unix socket in Linux's abstract namespace
+(``@monarch-peer-<pid>-<random>``, gone with the process; connections from
+other users are refused, checked with ``SO_PEERCRED``), named in its peer
+address after a ``;``. A caller that
+can connect to it (same host and network namespace) sends its calls there
+on a :class:`~monarch_kernel.transport.lane.Lane`, from its own thread, and the
+callee's actor thread writes the reply on the same lane: no ZeroMQ I/O
+thread and no hand-off through the outbox on either side (the reason lanes
+exist, :mod:`monarch_kernel.transport.lane`). The lanes are read by the thread
+that leads the worker's I/O when one waits in its poll (an idle actor's
+thread, a caller's waiting for its reply), else by this worker's peer I/O
+thread (:mod:`monarch_kernel.actor.peer_io`). Messages are signed as on
+ZeroMQ. A caller that cannot connect (another host) uses ZeroMQ to that
+address from then on.
+``MONARCH_LANES=0`` turns peer lanes off too.
+
+A peer address reads ``tcp://HOST:PORT[|CURVE_KEY][;LANE_NAME]`` (``;`` is
+in neither an endpoint nor the Z85 alphabet of a key).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import weakref
+from typing import Any
+
+import zmq
+
+from monarch_kernel.actor import cycles as actor_cycles
+from monarch_kernel.transport import peer_lanes
+from monarch_kernel.transport import lane as _lane
+from monarch_kernel.wire import shm as _shm
+from monarch_kernel.controller.controller import Request
+from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
+from monarch_kernel.actor.peer_io import PeerIO
+from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
+
+log = logging.getLogger("monarch_kernel.actor.actor_mesh")
+
+_host: PeerHost | None = None
+_host_lock = threading.Lock()
+_hosts: weakref.WeakSet[PeerHost] = weakref.WeakSet()  # (for the fork hook)
+
+
+def peer_host(worker: Any) -> PeerHost:
+    """This worker's :class:`PeerHost`, started on first use."""
+    global _host
+    h = _host
+    if h is None:
+        with _host_lock:
+            if _host is None:
+                _host = PeerHost(worker)
+            h = _host
+    return h
+
+
+def stats() -> dict[str, int]:
+    """Counts of this worker's peer-to-peer messages (``in``, ``out``; ``led``:
+    of those in, the ones read by the thread leading the worker's I/O, an
+    idle actor's or a waiting caller's, rather than by the peer I/O thread)
+    and of its open peer lanes (``lanes_out``: to peers it calls,
+    ``lanes_in``: from peers that call it)."""
+    h = _host
+    if h is None:
+        return {"in": 0, "out": 0, "led": 0, "lanes_out": 0, "lanes_in": 0}
+    return {"in": h.messages_in, "out": h.messages_out, "led": h.messages_led,
+            "lanes_out": sum(1 for v in list(h._lane_to.values()) if v is not None),
+            "lanes_in": len(h._accepted)}
+
+
+def _bind_host(controller_address: str) -> str:
+    host = controller_address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if is_loopback(host):
+        return "127.0.0.1"
+    try:  # the address this machine uses to reach the controller
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class PeerHost(PeerIO):
+    """A worker's peer-to-peer endpoint for actor calls (see module docstring;
+    its I/O thread's half: :class:`~monarch_kernel.actor.peer_io.PeerIO`).
+
+    Attributes
+    ----------
+    address : str
+        ``tcp://host:port`` of the peer ROUTER; on an encrypted mesh (the
+        worker's controller connection uses CurveZMQ) followed by ``|`` and
+        the socket's CurveZMQ public key (Z85), which callers connect with;
+        then, where peer lanes are on, ``;`` and the name of this worker's
+        lane listener.
+    stopped : dict of str to str
+        Names of actors stopped here, with the cause.
+    dead : dict of str to MeshFailure
+        Peer addresses of workers known to be gone (a restarted rank gets a
+        new address), with the failure that calls to them raise.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rank = worker.rank
+        self.codec = worker.codec.fork(f"r{worker.rank}")
+        self.codec.pool = _shm.Pool()
+        self.ctx = worker.ctx
+        secret = None
+        public = b""
+        if getattr(worker, "curve_server_key", None) is not None:  # an encrypted mesh
+            public, secret = zmq.curve_keypair()
+        self.router, address = bind_router(self.ctx, _bind_host(worker.address), secret)
+        self.listener = peer_lanes.listen() if peer_lanes.enabled() else None
+        # callers need the public key to connect: it travels with the address
+        self.address = (address + ("|" + public.decode() if public else "")
+                        + (";" + self.listener[1] if self.listener else ""))
+        self.pull, inproc = inproc_pair(self.ctx)
+        self.outbox = Outbox(self.ctx, inproc)
+        self.pending: dict[str, Request] = {}
+        self.dead: dict[str, MeshFailure] = {}
+        self.stopped: dict[str, str] = {}
+        self.messages_in = 0
+        self.messages_out = 0
+        self.messages_led = 0  # of messages_in: those the worker's leading thread read
+        self._lock = threading.Lock()
+        # peer lanes: this worker's connections to peers' listeners (address -> lane,
+        # None where none can be made), those that peers made to it (identity -> lane),
+        # and connections made by callers' threads that the I/O thread has yet to watch
+        self._lane_to: dict[str, _lane.Lane | None] = {}
+        #: codecs of other meshes of this program, by fingerprint (mesh_keys.py), and the
+        #: one that checks the replies coming from each peer address of those meshes
+        self._codecs: dict[str, Any] = {}
+        self._codec_of_addr: dict[str, Any] = {}
+        self._lane_addrs: dict[_lane.Lane, str] = {}  # lanes this worker made -> address
+        self._listen_paused = 0.0  # (monotonic s) the listener is unwatched until then
+        self._accepted: dict[bytes, _lane.Lane] = {}
+        self._new_lanes: list[_lane.Lane] = []
+        self._dead_lanes: list[_lane.Lane] = []  # lanes to ranks declared dead: to close
+        #: lanes the worker's leading thread watches too (fd -> lane; see _watch)
+        self._shared: dict[int, _lane.Lane] = {}
+        self._lanes_lock = threading.Lock()
+        self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
+        self._io_state: tuple | None = None  # the I/O thread's sockets, poller, lanes
+        self._lanes_due = False  # the I/O thread owes itself an "n" (see _to_io)
+        self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
+        self._thread.start()
+        _hosts.add(self)
+
+    def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
+                oneway: bool, type: str = "call", mesh: str | None = None) -> Request | None:
+        """Send a call (or a message of another ``type``: ``buffer``, see
+        :mod:`monarch_kernel.tensors.buffer_ops`) to ``ranks`` (any thread of this worker),
+        of this worker's mesh or of the mesh whose key's fingerprint is ``mesh``
+        (signed with that mesh's key: :mod:`monarch_kernel.actor.mesh_keys`).
+
+        Raises
+        ------
+        MeshFailure
+            If one of the ranks is known to be dead.
+        MeshError
+            If ``mesh`` is a mesh this worker was not introduced to.
+        """
+        codec = self.codec_for(mesh)
+        for r in ranks:
+            failure = self.dead.get(peers[r])
+            if failure is not None:
+                raise failure
+        if codec is not self.codec:
+            for r in ranks:  # (replies from there are checked with that mesh's key)
+                self._codec_of_addr[peers[r]] = codec
+        mid = codec.new_id()
+        names: list[str] = []
+        # same host (the peers bind the same address as this worker): large buffers go
+        # through shared memory (monarch_kernel.wire.shm), given back once every peer answered
+        here = _addr_host(self.address)
+        local = not oneway and all(_addr_host(peers[r]) == here for r in ranks)
+        frames = codec.encode(type, content, id=mid, shm="sender" if local else None,
+                              shm_out=names)
+        req = None
+        if not oneway:
+            req = Request(mid, ranks)
+            if codec is not self.codec:
+                req.mesh = mesh
+            if names:
+                req.add_done_callback(lambda r: self.codec.release_shm(
+                    names, discard=r.failure is not None))
+            with self._lock:
+                self.pending[mid] = req
+        for r in ranks:
+            self.send_to(peers[r], frames)
+        if req is not None and self._worker_poller() is not None and all(
+                self._lane_to.get(peers[r]) for r in ranks):
+            # the replies come on lanes: the caller's thread may read them itself while
+            # it waits (worker_io.lead_wait), woken if another thread read them first
+            req.waiter = self.worker.lead_wait
+            req.wake = self.worker.wake_leader
+        return req
+
+    def codec_for(self, mesh: str | None) -> Any:
+        """The codec that signs for the mesh whose key's fingerprint is ``mesh``
+        (None, or this worker's own: its own codec).
+
+        Raises
+        ------
+        MeshError
+            If no introduction gave this worker that mesh's key.
+        """
+        if mesh is None or mesh == self.codec.fingerprint:
+            return self.codec
+        codec = self._codecs.get(mesh)
+        if codec is None:
+            from monarch_kernel.actor.mesh_keys import check_known
+
+            check_known(self.worker, mesh, "the callee")
+            key = self.worker.keyring[mesh]
+            with self._lanes_lock:
+                codec = self._codecs.get(mesh)
+                if codec is None:
+                    codec = self._codecs[mesh] = self.codec.rekeyed(key)
+        return codec
+
+    def forget(self, mesh: str) -> None:
+        """The mesh whose key's fingerprint is ``mesh`` stopped: fail the calls
+        still waiting on it (any thread)."""
+        codec = self._codecs.pop(mesh, None)
+        if codec is not None:  # (the addresses of that mesh: their codec goes with it)
+            for addr, c in list(self._codec_of_addr.items()):
+                if c is codec:
+                    self._codec_of_addr.pop(addr, None)
+        failure = MeshFailure("the process mesh of that actor mesh was stopped")
+        with self._lock:
+            waiting = [q for q in self.pending.values() if q.mesh == mesh]
+            for q in waiting:
+                self.pending.pop(q.id, None)
+        for q in waiting:
+            q._fail(failure)
+
+    def send_to(self, address: str, frames: list[Any]) -> None:
+        """Send signed ``frames`` to the peer at ``address`` (any thread): on its
+        peer lane where one can be had, else through the I/O thread's DEALER.
+        A message to a peer that is gone is dropped (its callers learn of the
+        death from the controller, :meth:`fail_rank`)."""
+        lane = self._lane_to.get(address, False)
+        if lane is False:
+            lane = self._connect(address)
+        if lane is None:
+            self._to_io([b"d", address.encode(), *frames])
+            return
+        try:
+            lane.send(frames)
+            self.messages_out += 1
+        except TransportError as e:
+            log.info("rank %d dropped a message to a peer that is gone: %s", self.rank, e)
+
+    def reply_to(self, route: list[bytes], frames: list[Any]) -> None:
+        """Send signed ``frames`` back where the message that came by ``route``
+        came from (any thread): its peer lane, or the ROUTER's identity."""
+        if len(route) == 1 and route[0].startswith(peer_lanes.LANE_IDENT):
+            lane = self._accepted.get(route[0])
+            if lane is not None:
+                try:
+                    lane.send(frames)
+                    self.messages_out += 1
+                except TransportError:  # the caller is gone: nobody waits for this
+                    pass
+            return
+        self._to_io([b"r", *route, *frames])
+
+    def _connect(self, address: str) -> _lane.Lane | None:
+        """The peer lane to ``address``, made now if it can be; None (kept, so
+        that messages to one address never switch transport and overtake each
+        other) where it cannot: another host or network namespace, lanes off,
+        or a listener that is not the peer's (its process id, in the name, and
+        this user, both checked with ``SO_PEERCRED``)."""
+        name = address.partition(";")[2]
+        lane = None
+        if (name and self.listener is not None
+                and _addr_host(address) == _addr_host(self.address)):
+            lane = peer_lanes.dial(name, f"peer lane to {address}", self._limit())
+        with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
+            kept = self._lane_to.get(address, False)
+            if kept is False:
+                self._lane_to[address] = kept = lane
+                if lane is not None:
+                    self._new_lanes.append(lane)
+                    self._lane_addrs[lane] = address  # (its replies' codec: _codec_of_addr)
+        if kept is not lane and lane is not None:
+            lane.close()
+        elif lane is not None:
+            self._to_io([b"n"])  # the I/O thread watches it from now on
+        return kept
+
+    def _limit(self) -> int:
+        """The largest message a peer lane takes (bytes): what the codec takes,
+        and room for the framing of a message of many buffers."""
+        return self.codec.max_header + self.codec.max_buffers + (1 << 20)
+
+    def fail_rank(self, rank: int, address: str | None, reason: str,
+                  mesh: str | None = None) -> None:
+        """Rank ``rank`` (peer ``address``) of this worker's mesh, or of the mesh
+        whose key's fingerprint is ``mesh``, is gone: fail every call waiting on
+        it, and later calls to that address (any thread)."""
+        failure = MeshFailure(reason, rank=rank)
+        if mesh == self.codec.fingerprint:
+            mesh = None
+        if mesh is not None and address:  # (no reply comes from there any more)
+            self._codec_of_addr.pop(address, None)
+        lane = self._lane_to.get(address) if address else None
+        if lane is not None:  # (a hung process's lane: closed by the I/O thread)
+            self._close_later(lane)
+        with self._lock:
+            if address:
+                self.dead[address] = failure
+            waiting = [q for q in self.pending.values()
+                       if q.mesh == mesh and q._reply_pending(rank)]
+            for q in waiting:
+                self.pending.pop(q.id, None)
+        for q in waiting:
+            q._fail(failure)
+
+    def _incoming(self, frames: list[Any], lane: bytes | None = None) -> None:
+        try:
+            if lane is None:
+                msg = self.codec.decode(frames, router=True)
+            else:
+                msg = self.codec.decode(frames, identity=[lane])
+        except ProtocolError as e:
+            log.warning("rank %d dropped a peer message: %s", self.rank, e)
+            return
+        self.messages_in += 1
+        if msg.type == "buffer":  # an RDMABuffer read or write: answered right here
+            from monarch_kernel.tensors.buffer_ops import serve
+
+            serve(self, msg)
+            return
+        if msg.type != "call":
+            if msg.type == "event" and isinstance(msg.content, dict) and (
+                    msg.content.get("kind") == "wait"):  # an actor waits for a call: cycles?
+                actor_cycles.on_notice(self.worker, msg.content)
+            return
+        c = msg.content
+        inst = self.worker.actors.get(c["a"])
+        if inst is None:
+            from monarch_kernel.actor.host import _reject  # (that module imports this one)
+
+            _reject(self.worker, msg.id, c, msg.identity)
+        else:
+            if "w" in c:  # made by an actor: tracked while queued or running (actor_cycles)
+                actor_cycles.track(inst, msg.id, c, msg.identity)
+            inst.post(("call", msg.id, c, msg.identity))
+
+    def _reply(self, frames: list[Any], codec: Any = None) -> None:
+        try:
+            msg = (codec or self.codec).decode(frames)
+        except ProtocolError as e:
+            log.warning("rank %d dropped a peer reply: %s", self.rank, e)
+            return
+        self.messages_in += 1
+        if msg.type != "reply" or not msg.sender.startswith("r"):
+            return
+        rank = int(msg.sender[1:])
+        with self._lock:
+            req = self.pending.get(msg.parent or "")
+            if req is None or not req._reply_pending(rank):
+                return
+            c = msg.content
+            req.replies[rank] = (c["status"], c["value"])
+            finished = len(req.replies) >= len(req.ranks)
+            if finished:
+                self.pending.pop(req.id, None)
+        if finished:
+            req._finish()  # completes the caller's future (outside the lock)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader's worker) does not keep the lane listener:
+    the name would outlive the worker, taking connections nobody reads."""
+    for h in list(_hosts):
+        h._lanes_lock = threading.Lock()
+        h._lock = threading.Lock()
+        if h.listener is not None:
+            h.listener[0].close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _addr_host(address: str) -> str:
+    """``tcp://10.0.0.2:5555|KEY;NAME`` -> ``10.0.0.2``."""
+    return address.split(";", 1)[0].split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]

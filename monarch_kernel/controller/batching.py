@@ -1,0 +1,171 @@
+"""Request batching: many pipelined actor calls to one rank in one message.
+
+A caller that issues calls faster than a rank answers them (``futures =
+[a.f.call_one() for _ in range(1000)]``) pays, per call, a message header,
+a signature, a socket send on the controller and a receive and a check on
+the worker. While enough requests are already unanswered, a small call
+can instead wait in a per-rank :class:`Batches` buffer and leave with the
+next ones as one ``calls`` message; nothing is lost in latency that the
+queue on the rank did not already impose.
+
+When a call may wait (:meth:`Batches.hold`): it is a plain call (no
+shared-memory buffers, a small payload) to a single rank, and at least
+:data:`MIN_PENDING` requests are unanswered. A held batch leaves
+(:meth:`Batches.take`) before anything else is sent to that rank (order is
+kept), when it reaches :data:`MAX_CALLS` calls, when any thread starts to
+wait for a reply, and at the latest :data:`HOLD_S` after its first call
+(the controller's I/O thread). Nagle's algorithm for TCP (RFC 896) holds
+small segments while earlier ones are unacknowledged in the same spirit.
+
+The worker hands each call of a ``calls`` message to its actor in order,
+exactly as if they had come one by one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from monarch_kernel.errors import MeshFailure, TransportError
+from monarch_kernel.controller.request import Request
+from monarch_kernel.util.sigint import DeferredSigint
+
+__all__ = ["HOLD_S", "MAX_CALLS", "MIN_PENDING", "Batches", "BatchingIO", "may_hold"]
+
+#: unanswered requests (all ranks) before calls start to wait for a batch
+MIN_PENDING = 8
+#: calls in one batch, at most
+MAX_CALLS = 64
+#: seconds a held call waits, at most
+HOLD_S = 0.001
+#: a call's pickled arguments of at most this many bytes may be held
+MAX_PAYLOAD = 16 * 1024
+
+
+class Batches:
+    """Per-rank buffers of held calls (thread-safe).
+
+    Attributes
+    ----------
+    lock : threading.RLock
+    calls_batched : int
+        Calls sent in ``calls`` messages so far.
+
+    The caller of :meth:`take` sends what it took; :attr:`lock` is held by
+    callers around "take and send" so that two senders never reorder a rank's
+    messages.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._held: dict[int, list[tuple[str, Any]]] = {}
+        self._since: dict[int, float] = {}
+        self.calls_batched = 0  # calls sent in ``calls`` messages so far
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def holds(self, rank: int) -> bool:
+        """True if calls for ``rank`` are held (a cheap check, no lock)."""
+        return rank in self._held
+
+    def hold(self, rank: int, mid: str, content: Any) -> int:
+        """Keep call ``mid`` for ``rank``; returns how many calls are held for it now
+        (1: a new batch, whose HOLD_S starts; MAX_CALLS: full, take it now). Call
+        with :attr:`lock` held."""
+        held = self._held.get(rank)
+        if held is None:
+            held = self._held[rank] = []
+            self._since[rank] = time.monotonic()
+        held.append((mid, content))
+        return len(held)
+
+    def take(self, rank: int) -> list[tuple[str, Any]]:
+        """The calls held for ``rank`` (and forget them). Call with :attr:`lock` held."""
+        self._since.pop(rank, None)
+        return self._held.pop(rank, [])
+
+    def held_ranks(self, now: float | None = None) -> list[int]:
+        """The ranks calls are held for (with ``now``: held for :data:`HOLD_S` or
+        longer). Call with :attr:`lock` held."""
+        if now is None:
+            return list(self._held)
+        return [r for r, t in self._since.items() if now - t >= HOLD_S]
+
+
+def may_hold(type: str, ranks: list[int], content: Any, pending: int) -> bool:
+    """Whether a request may wait in a batch (see the module docstring)."""
+    if type != "call" or len(ranks) != 1 or pending < MIN_PENDING:
+        return False
+    if not isinstance(content, dict) or "o" in content or "k" in content:
+        return False
+    p = content.get("p")
+    return p is not None and not p.buffers and len(p.payload) <= MAX_PAYLOAD
+
+
+class BatchingIO:
+    """The controller's side of batching: a mixin of
+    :class:`~monarch_kernel.controller.controller.Controller` (uses its registry, codec,
+    locks and ``_send_to``)."""
+
+    def _held_request(self, mid: str, rank: int, content: Any) -> Request:
+        """A call that waits in a batch for ``rank`` (see monarch_kernel.controller.batching)."""
+        req = Request(mid, [rank])
+        req.waiter = self.wait_for
+        b = self.batches
+        # Ctrl-C waits until the call is both registered and held: a request registered
+        # but never sent would wait forever, keep the rank busy and take its output
+        with DeferredSigint():
+            self._register(req)
+            with b.lock:
+                n = b.hold(rank, mid, content)
+                if n >= MAX_CALLS:  # full: it leaves now
+                    self._send_batch(rank, b.take(rank))
+            if n == 1:  # a new batch: the I/O thread sends it within HOLD_S at the latest
+                self._resume.set()
+                try:
+                    self.outbox.try_send([b""])  # (out of a poll, if it leads)
+                except TransportError:
+                    pass
+        return req
+
+    def _send_batch(self, rank: int, calls: list[tuple[str, Any]]) -> None:
+        """Send held calls as one ``calls`` message (``batches.lock`` held); their
+        requests fail if the rank cannot be reached."""
+        info = self.ranks.get(rank)
+        if info is None or info.state in ("dead", "stopped"):
+            return  # (a dead rank's requests failed already)
+        with self._lock:  # only calls still waited for (not failed by a death meanwhile)
+            calls = [(m, c) for m, c in calls
+                     if (q := self.pending.get(m)) is not None and q.failure is None]
+        if not calls:
+            return
+        try:
+            if len(calls) == 1:
+                mid, content = calls[0]
+                frames = self.codec.encode("call", content, id=mid)
+            else:
+                frames = self.codec.encode("calls", calls)
+            self._send_to([rank], frames)
+            if len(calls) > 1:
+                self.batches.calls_batched += len(calls)
+        except TransportError as e:
+            failure = MeshFailure(f"cannot reach the mesh: {e}", rank=rank)
+            for mid, _ in calls:
+                with self._lock:
+                    req = self.pending.pop(mid, None)
+                if req is not None:
+                    req._fail(failure)
+
+    def flush_batches(self, stale_only: bool = False) -> None:
+        """Send the held calls now (``stale_only``: those held for HOLD_S)."""
+        b = self.batches
+        if not b:
+            return
+        with DeferredSigint(), b.lock:
+            # each rank's calls are taken just before they leave: what a done-callback
+            # of a failed batch sends to a rank finds the calls held for it before
+            for rank in b.held_ranks(time.monotonic() if stale_only else None):
+                if b.holds(rank):
+                    self._send_batch(rank, b.take(rank))

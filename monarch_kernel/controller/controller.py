@@ -1,0 +1,600 @@
+"""The controller: registry, routing, heartbeats and supervision of one mesh.
+
+A :class:`Controller` lives in the kernel process (or in the script that
+drives a mesh). It binds two ZeroMQ ROUTER sockets: ``router`` (worker ->
+controller, read by whichever thread leads the I/O, see
+:mod:`~monarch_kernel.controller.io`) and ``router_down`` (controller ->
+worker, never read; any thread sends on it under ``_down_lock``, so a request
+leaves without a hand-off). Every worker connects a DEALER to each, with one
+routing identity ``r<rank>.<random>``; the controller routes to the identity
+that carried the rank's signed ``hello`` and drops messages from any other
+connection. A worker this controller started on its own host talks through a
+*lane* instead (a Unix socket pair it inherited, :mod:`~monarch_kernel.transport.lane`:
+no ZeroMQ I/O thread on either side), routed the same way: its identity is
+the lane's. Requests carry a message id; replies, output and rich display
+carry that id as their parent and are routed to the :class:`Request` that is
+waiting for them.
+
+The thread that leads the I/O (the I/O thread, or a caller waiting for its
+reply) reads ``router``, the lanes of local workers and their stdout/stderr
+pipes (their output, read before each of their replies), sends heartbeats, and watches
+the workers: a local worker's exit is seen through its process
+within ~0.1 s, a remote worker's after three missed heartbeats. A dead rank
+fails every request waiting on it with
+:class:`~monarch_kernel.errors.MeshFailure`. Request callbacks run on the
+thread that leads, outside the controller's lock; they must not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from monarch_kernel.controller import batching
+from monarch_kernel.wire import protocol
+from monarch_kernel.wire import shm
+from monarch_kernel.controller.batching import BatchingIO
+from monarch_kernel.controller.io import ControllerIO, spin_seconds
+from monarch_kernel.controller.output_pipes import RankOutput
+from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
+from monarch_kernel.transport.lane import Lane
+from monarch_kernel.transport.lane import prepare as lane_prepare
+from monarch_kernel.controller.request import RankInfo, Request, _Pipe
+from monarch_kernel.wire.serialize import cuda_ipc
+from monarch_kernel.util.sigint import DeferredSigint
+from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
+from monarch_kernel.transport.sockets import FdPoller, Outbox, bind_router, inproc_pair, is_loopback, send_frames
+
+log = logging.getLogger("monarch_kernel.controller.controller")
+
+__all__ = ["Controller", "RankInfo", "Request"]
+
+#: seconds after a local rank died at which the controller sweeps this host's
+#: pooled shared-memory files that nobody holds (shm.sweep_stale): a worker
+#: killed outright leaves the files of its peer and buffer pools, which the
+#: controller never saw; the second sweep takes those that were younger than
+#: SWEEP_MIN_AGE_S at the first
+SWEEP_AFTER_DEATH_S = (0.0, 11.0)
+#: files younger than this (seconds) are left by a sweep (one being made may not
+#: be locked yet)
+SWEEP_MIN_AGE_S = 10.0
+
+
+class Controller(ControllerIO, BatchingIO, RankOutput):
+    """Owns the ROUTER socket of one mesh and routes its messages.
+
+    Parameters
+    ----------
+    bind : str
+        Address to bind (default loopback, ``127.0.0.1``).
+    heartbeat : float
+        Seconds between heartbeats, both ways.
+    on_output : callable(rank, name, text) or None
+        Receives output that belongs to no running request (background
+        actor work). Default: logged.
+    key : bytes or None
+        The mesh key; a fresh random one by default.
+    encrypt : bool or None
+        Encrypt traffic with CurveZMQ. Default: on when ``bind`` is not a
+        loopback address. Turning it off there prints a warning.
+
+    Raises
+    ------
+    ValueError
+        If the environment variable ``MONARCH_SPIN_US`` (how long, in
+        microseconds, a caller looks for its reply before it sleeps; see
+        :mod:`monarch_kernel.controller.io`) is not a number from 0 to 10000,
+        or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH``
+        (:mod:`monarch_kernel.util.switches`) is not 0 or 1.
+    """
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1",
+        heartbeat: float = 1.0,
+        on_output: Callable[[int, str, str], None] | None = None,
+        key: bytes | None = None,
+        encrypt: bool | None = None,
+    ) -> None:
+        #: seconds a waiting caller looks for its reply before it sleeps (controller_io)
+        self.spin_s = spin_seconds()
+        #: local workers talk to this controller through lanes (monarch_kernel.transport.lane)
+        self.use_lanes = lanes_enabled()
+        peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
+        sched_batch_enabled()
+        self._lanes: dict[int, Lane] = {}  # fd -> lane (the thread that leads only)
+        self._lane_of: dict[int, Lane] = {}  # rank -> its current lane
+        self._new_lanes: list[Lane] = []
+        self._lane_poll = select.poll()  # the lanes' fds, for the spin (controller_io)
+        self._spin_next = True  # sent, or read on the ROUTER or a lane, since the last spin
+        self._spin_misses = 0  # spins in a row that found nothing (controller_io)
+        self._spin_off_until = 0.0  # a contended core turned the spin off (controller_io)
+        #: how many times a contended core turned the spin off (controller_io)
+        self.spin_contended = 0
+        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        self.key = key or protocol.new_key()
+        self.codec = protocol.Codec(self.key, "ctl")
+        self.codec.pool = shm.Pool()
+        self._sweeps_due: list[float] = []  # monotonic times of sweeps after deaths
+        swept = shm.sweep_stale(SWEEP_MIN_AGE_S)  # files of processes killed outright
+        if swept:
+            log.info("removed %d shared-memory files left by killed processes", len(swept))
+        self.heartbeat = heartbeat
+        self.on_output = on_output
+        self.ctx = zmq.Context()
+        if encrypt is None:
+            encrypt = not is_loopback(bind)
+        self.curve_public_key: bytes | None = None
+        secret = None
+        if encrypt:
+            self.curve_public_key, secret = zmq.curve_keypair()
+        elif not is_loopback(bind):
+            log.info("the controller binds %s, beyond loopback, with encryption turned "
+                        "off: messages are signed but anyone on that network can read them",
+                        bind)
+        self.router, self.address = bind_router(self.ctx, bind, secret)
+        # controller -> worker traffic leaves on a second socket that no thread reads:
+        # any thread sends on it under a lock, without a hand-off to the I/O thread
+        self.router_down, self.down_address = bind_router(self.ctx, bind, secret)
+        self.router_down.rcvhwm = 1  # nothing is read here: bound what a peer can queue
+        self._down_lock = threading.Lock()
+        self.pull, inproc = inproc_pair(self.ctx)
+        self.outbox = Outbox(self.ctx, inproc)
+        self.ranks: dict[int, RankInfo] = {}
+        self.pending: dict[str, Request] = {}
+        #: small pipelined calls held to leave together (see monarch_kernel.controller.batching)
+        self.batches = batching.Batches()
+        self._lock = threading.RLock()
+        self._hello = threading.Condition(self._lock)
+        self._closed = threading.Event()
+        self.poll_exits: Callable[[], dict[int, int]] | None = None  # set by the launcher
+        self.leftover_output: Callable[[int], list[tuple[str, bytes]]] | None = None
+        # output pipes of local workers, read here only (see adopt_pipes)
+        self._pipes: dict[int, _Pipe] = {}  # fd -> pipe (I/O thread only)
+        self._new_pipes: list[tuple[int, int, int]] = []  # (rank, stdout fd, stderr fd)
+        self._rank_polls: dict[int, select.poll] = {}  # rank -> poll of its pipes
+        self.local_ranks: set[int] = set()
+        self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
+        self.stopping = False  # set while the mesh is being stopped on purpose
+        #: failures of meshes spawned by actors that no __supervise__ handled
+        self.unhandled: list[str] = []
+        self.listeners: list[Callable[[str, int, Any], None]] = []
+        # leader/follower state (see _io_loop)
+        self._lead = threading.Lock()
+        self._leader: int | None = None  # thread ident of a caller that leads
+        self._want = 0  # callers waiting to lead
+        self._want_lock = threading.Lock()
+        self._led_at = 0.0  # monotonic time a caller last stopped leading
+        self._resume = threading.Event()  # wakes the I/O thread (resume_io)
+        self._stepped_at = time.monotonic()  # last I/O step, by any thread
+        self._poller: FdPoller | None = None
+        self._last_beat = self._last_check = time.monotonic()
+        self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
+                                        daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- sending
+    def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        with DeferredSigint():  # Ctrl-C never leaves half a message on a socket
+            self._send_after_held(ranks, frames)
+
+    def _send_after_held(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        """Send ``frames`` after the calls held for ``ranks`` (SIGINT deferred by the caller)."""
+        b = self.batches
+        with b.lock:
+            if b:  # calls held for these ranks leave first (order is kept)
+                for r in ranks:
+                    if b.holds(r):
+                        self._send_batch(r, b.take(r))
+            self._send_to(ranks, frames)
+
+    def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        self._spin_next = True  # replies may come soon: a waiting caller looks first
+        self._spin_misses = 0
+        prepared = None  # the lane framing of `frames`, made once for all lanes
+        for r in ranks:
+            info = self.ranks.get(r)
+            if info is not None and info.identity:  # else not connected yet: nowhere to send
+                lane = self._lane_of.get(r)
+                if lane is not None:
+                    if prepared is None:
+                        prepared = lane_prepare(frames)
+                    try:
+                        lane.send_prepared(prepared)
+                    except TransportError as e:  # its process is gone
+                        raise TransportError(f"cannot send to rank {r}: {e}") from e
+                elif info.down:
+                    # just after its hello, a rank's second connection may not be
+                    # attached yet: wait for it then (never on the I/O thread, never
+                    # while stopping)
+                    fresh = time.monotonic() - info.hello_at < 5.0
+                    wait = (fresh and not self.stopping
+                            and threading.current_thread() is not self._thread
+                            and self._leader != threading.get_ident())
+                    if not self._send_down(info.identity, frames, retry=2.0 if wait else 0.0):
+                        raise TransportError(f"cannot send to rank {r}: it is not connected")
+                else:
+                    self.outbox.send([info.identity, *frames])
+
+    def _send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
+        """Send on the second socket; a worker whose second connection is not
+        attached yet (just after its hello) is retried for ``retry`` seconds."""
+        deadline = time.monotonic() + retry
+        with self._down_lock:  # held while retrying: nothing overtakes this message
+            while True:
+                if self._closed.is_set():
+                    return False
+                try:
+                    send_frames(self.router_down, [ident, *frames])
+                    return True
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        log.debug("cannot send to %r: %s", ident, e)
+                        return False
+                if time.monotonic() > deadline:
+                    log.debug("no second connection from %r", ident)
+                    return False
+                time.sleep(0.001)
+
+    def request(self, ranks: Iterable[int], type: str, content: Any = None) -> Request:
+        """Send one request to ``ranks`` and return the :class:`Request` to wait on.
+
+        Raises
+        ------
+        MeshFailure
+            If one of the ranks is already dead or stopped.
+        SerializationError
+            If ``content`` cannot be pickled.
+        """
+        ranks = list(ranks)
+        with self._lock:
+            starting = []
+            for r in ranks:
+                info = self.ranks.get(r)
+                if info is None:
+                    raise MeshFailure(f"rank {r} is not part of this mesh", rank=r)
+                if info.state in ("dead", "stopped"):
+                    raise self._unavailable(r)
+                if info.state == "starting":
+                    starting.append(r)
+        if starting:  # being restarted: wait for it rather than send into the void
+            self.wait_ready(starting, self.restart_timeout)
+        mid = self.codec.new_id()
+        if batching.may_hold(type, ranks, content, len(self.pending)):
+            return self._held_request(mid, ranks[0], content)
+        local = all(r in self.local_ranks for r in ranks)
+        names: list[str] = []
+        with cuda_ipc(local and len(ranks) == 1):  # one process on this host
+            frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
+                                       shm_out=names)
+        req = Request(mid, ranks)
+        req.waiter = self.wait_for
+        if names:  # remove the shared-memory files once every rank answered
+            req.add_done_callback(lambda r, names=names: self.codec.release_shm(
+                names, discard=r.failure is not None))
+        # Ctrl-C waits until it is registered and sent (registered only, it would hang)
+        with DeferredSigint():
+            try:
+                self._register(req)
+            except MeshFailure as e:  # its callbacks return its shared memory
+                req._fail(e)
+                raise
+            try:
+                self._send_after_held(ranks, frames)
+            except TransportError as e:
+                with self._lock:
+                    self.pending.pop(req.id, None)
+                raise MeshFailure(f"cannot reach the mesh: {e}") from e
+        return req
+
+    def _unavailable(self, rank: int) -> MeshFailure:
+        """The error of a request to a dead or stopped rank (lock held)."""
+        err = self.rank_failure(rank)
+        if self.ranks[rank].state == "dead":
+            err.args = (f"{err.args[0]}\nRestart it with  %mesh restart {rank}  "
+                        f"(or mesh.restart({rank})).",)
+        return err
+
+    def _register(self, req: Request) -> None:
+        """Record ``req`` as pending, its ranks busy; a rank that died since the caller
+        looked fails it now (marked busy over dead, it would wait for ever)."""
+        with self._lock:
+            for r in req.ranks:
+                if self.ranks[r].state in ("dead", "stopped"):
+                    raise self._unavailable(r)
+            self.pending[req.id] = req
+            for r in req.ranks:
+                info = self.ranks[r]
+                info.state = "busy"
+                info.messages_out += 1
+
+    def notify(self, ranks: Iterable[int], type: str, content: Any = None) -> None:
+        """Send a one-way message (no reply expected) to ``ranks``."""
+        ranks = [r for r in ranks if self.ranks.get(r) and self.ranks[r].state
+                 not in ("dead", "stopped")]
+        if ranks and not self.stopping:
+            try:
+                self._send(ranks, self.codec.encode(type, content))
+            except TransportError as e:  # one-way: a rank that went away misses it
+                log.debug("a one-way %r message was not delivered: %s", type, e)
+
+    # ------------------------------------------------------------- registry
+    def expect(self, ranks: Iterable[int], local: bool = True) -> None:
+        """Register ranks that a launcher is starting."""
+        with self._lock:
+            for r in ranks:
+                self.ranks[r] = RankInfo(r)
+                if local:
+                    self.local_ranks.add(r)
+                else:
+                    self.local_ranks.discard(r)
+
+    def wait_ready(self, ranks: Iterable[int], timeout: float) -> None:
+        """Wait until every rank in ``ranks`` said hello.
+
+        Raises
+        ------
+        MeshFailure
+            If a rank died while starting.
+        TimeoutError
+            If some ranks did not connect within ``timeout`` seconds.
+        """
+        ranks = list(ranks)
+        deadline = time.monotonic() + timeout
+        with self._hello:
+            while True:
+                for r in ranks:
+                    if self.ranks[r].state in ("dead", "stopped"):
+                        raise self.rank_failure(r, starting=True)
+                missing = [r for r in ranks if self.ranks[r].state == "starting"]
+                if not missing:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"ranks {missing} did not connect to the controller at {self.address} "
+                        f"within {timeout:.0f} s; check that workers can reach that address"
+                    )
+                self._hello.wait(min(left, 0.1))
+
+    def rank_failure(self, rank: int, starting: bool = False) -> MeshFailure:
+        """A :class:`MeshFailure` describing why ``rank`` is gone."""
+        info = self.ranks[rank]
+        where = f" on {info.host}" if info.host else ""
+        pid = f" (pid {info.pid})" if info.pid else ""
+        if info.state == "stopped":
+            msg = f"rank {rank}{where}{pid} was stopped"
+        else:
+            msg = f"rank {rank}{where}{pid} {info.describe_exit()}"
+            if starting:
+                msg += " while starting"
+        lines = list(info.last_lines)
+        if info.partial:
+            lines.append(info.partial)
+        if lines:
+            msg += "; its last output:\n" + "\n".join(f"  {ln}" for ln in lines[-10:])
+        return MeshFailure(msg, rank=rank, host=info.host, pid=info.pid,
+                           exitcode=info.exitcode, last_output="\n".join(lines))
+
+    def mark_dead(self, rank: int, exitcode: int | None, state: str = "dead") -> None:
+        """Record that ``rank`` is gone and fail every request waiting on it."""
+        with self._lock:
+            info = self.ranks.get(rank)
+            if info is None or info.state in ("dead", "stopped"):
+                return
+            info.state = state
+            info.exitcode = exitcode
+            files, info.shm_files = info.shm_files, set()
+            if state == "dead" and rank in self.local_ranks:  # its unseen files: swept
+                now = time.monotonic()
+                self._sweeps_due.extend(now + d for d in SWEEP_AFTER_DEATH_S)
+            failure = self.rank_failure(rank)
+            waiting = [q for q in self.pending.values()
+                       if rank in q.ranks and rank not in q.replies]
+            self._hello.notify_all()
+        shm.forget(files)  # (outside the lock) cached mappings would pin their memory
+        for name in files:  # a worker that exited cleanly removed them already
+            shm.unlink(name)
+        for req in waiting:
+            # the request fails now, but stays routable for a while: what the other
+            # ranks print (and their replies, once interrupted) still reach it
+            req.failed_at = time.monotonic()
+            req._fail(failure)
+            with self._lock:
+                self._retire_if_settled(req)
+        self._notify_listeners("dead", rank, failure)
+
+    def _sweep_if_due(self, now: float) -> None:
+        """Sweep nobody's pooled files, once a sweep after a rank's death is due
+        (the thread that leads; see SWEEP_AFTER_DEATH_S)."""
+        with self._lock:
+            later = [t for t in self._sweeps_due if t > now]
+            if len(later) == len(self._sweeps_due):  # none is due
+                return
+            self._sweeps_due = later
+        try:
+            swept = shm.sweep_stale(SWEEP_MIN_AGE_S)
+        except Exception:  # best effort: the next controller sweeps too
+            log.exception("sweeping shared-memory files failed")
+            return
+        if swept:
+            log.info("removed %d shared-memory files of dead ranks", len(swept))
+
+    def _retire_if_settled(self, req: Request) -> None:
+        """Forget a failed request once every rank replied or is gone (lock held)."""
+        if all(r in req.replies or self.ranks[r].state in ("dead", "stopped")
+               for r in req.ranks):
+            self.pending.pop(req.id, None)
+
+    def _notify_listeners(self, kind: str, rank: int, payload: Any) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(kind, rank, payload)
+            except Exception:
+                log.exception("a controller listener failed")
+
+    def _receive(self, frames: list[Any], lane: bytes | None = None) -> None:
+        """Handle one message: from the ROUTER (``frames`` start with the identity)
+        or from the lane whose identity is ``lane``."""
+        try:
+            if lane is None:
+                msg = self.codec.decode(frames, router=True, lazy=True)
+            else:
+                msg = self.codec.decode(frames, lazy=True, identity=[lane])
+        except ProtocolError as e:
+            log.warning("the controller dropped a message: %s", e)
+            return
+        ident = msg.identity[0] if msg.identity else b""
+        s = msg.sender
+        info = self.ranks.get(int(s[1:])) if s[:1] == "r" and s[1:].isdigit() else None
+        if info is None:
+            log.warning("the controller dropped a message from unknown sender %r", s)
+            return
+        rank = info.rank
+        if msg.type == "hello":  # signed by a worker of this mesh: its connection is the rank's
+            info.identity = ident
+        elif ident != info.identity:
+            log.warning("the controller dropped a message whose sender %r does not match "
+                        "its connection %r", s, ident)
+            return
+        info.last_heard = time.monotonic()
+        info.messages_in += 1
+        t = msg.type
+        if t == "heartbeat":
+            return
+        if t == "reply":
+            self._drain_pipes(rank)  # its output comes before its reply
+            try:
+                c = msg.content
+                status, value = c["status"], c["value"]
+            except (ProtocolError, KeyError, TypeError) as e:
+                c = None
+                # a signed reply that does not unpickle here (a CUDA tensor on a host
+                # without GPU, an exception class only the workers have): an error
+                # reply, never a request that waits forever
+                status, value = "error", {
+                    "type": "monarch_kernel.errors.SerializationError", "traceback": "",
+                    "message": f"the reply of rank {rank} cannot be decoded here: {e}",
+                    "exc": None}
+            if msg.pooled:  # copied out of the rank's pooled files: it may reuse them
+                info.shm_files.update(msg.pooled)
+                self.notify([rank], "shm_done", {"names": msg.pooled})
+            self._on_reply(info, msg.parent, status, value)
+            return
+        if t == "replies":  # several ok replies in one message (a worker's batch)
+            self._drain_pipes(rank)  # their output comes before them
+            try:
+                items = [(str(p), "ok", v) for p, v in msg.content]
+            except (ProtocolError, TypeError, ValueError) as e:
+                log.warning("the controller dropped a malformed batch of replies from "
+                            "rank %d: %s", rank, e)
+                return
+            for parent, status, value in items:
+                self._on_reply(info, parent, status, value)
+            return
+        if t == "stream":
+            c = msg.content
+            self._deliver_stream(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
+            return
+        if t == "debug":  # a remote pdb paused / runs on / ended (see debug/server.py)
+            c = msg.content
+            with self._lock:
+                if c.get("kind") == "paused":
+                    info.state = "paused"
+                elif info.state == "paused":
+                    info.state = "busy" if any(rank in q.ranks and rank not in q.replies
+                                               for q in self.pending.values()) else "idle"
+            self._notify_listeners("debug", rank, c)  # the debug registry, first
+            req = self.pending.get(msg.parent or "")
+            if req is not None:
+                req.put_event(("debug", rank, c))
+            return
+        if t == "display":
+            req = self.pending.get(msg.parent or "")
+            if req is not None:
+                req.put_event(("display", rank, msg.content))
+            return
+        if t == "hello":
+            with self._hello:
+                c = msg.content
+                info.host, info.pid = c["host"], c["pid"]
+                info.down = bool(c.get("down"))
+                info.hello_at = time.monotonic()
+                if info.state == "starting":
+                    info.state = "idle"
+                self._hello.notify_all()
+            self._notify_listeners("hello", rank, msg.content)
+            return
+        if t == "state":
+            info.telemetry = msg.content
+            self._notify_listeners("state", rank, msg.content)
+            return
+        if t == "event":
+            c = msg.content
+            if isinstance(c, dict) and c.get("kind") == "supervision":
+                # an actor's child mesh failed and its __supervise__ did not handle it
+                text = (f"unhandled failure in a mesh spawned by actor {c.get('actor')!r} "
+                        f"on rank {rank}: {c.get('failure')}")
+                self.unhandled.append(text)
+                log.warning("%s", text)
+                print(f"[monarch] {text}", file=sys.stderr, flush=True)
+            self._notify_listeners("event", rank, msg.content)
+            return
+
+    def _on_reply(self, info: RankInfo, parent: str | None, status: str, value: Any) -> None:
+        """Record one rank's reply to request ``parent``; finish it when complete."""
+        rank = info.rank
+        finished = None
+        with self._lock:
+            req = self.pending.get(parent or "")
+            if req is not None and req._reply_pending(rank):
+                req.replies[rank] = (status, value)
+                if len(req.replies) >= len(req.ranks):
+                    self.pending.pop(req.id, None)
+                    finished = req
+                elif req.failure is not None:
+                    self._retire_if_settled(req)
+            if info.state == "busy" and not any(
+                rank in q.ranks and rank not in q.replies for q in self.pending.values()
+            ):
+                info.state = "idle"
+        if finished is not None:
+            finished._finish()  # callbacks run outside the controller's lock
+
+    # --------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Stop the I/O thread and close every socket (idempotent)."""
+        if self._closed.is_set():
+            return
+        with self._lock:
+            pending = list(self.pending.values())
+            self.pending.clear()
+        for req in pending:
+            req._fail(MeshFailure("the mesh was stopped"))
+        self._closed.set()
+        self._thread.join(timeout=5)
+        # (a caller may still lead, for a moment: the lanes close once it stopped)
+        led = self._lead.acquire(timeout=5)
+        try:
+            for lane in [*self._lane_of.values(), *self._lanes.values(), *self._new_lanes]:
+                lane.close()
+        finally:
+            if led:
+                self._lead.release()
+        with self._down_lock:
+            self.router_down.close(0)
+        self.outbox.close()
+        self.ctx.term()
+        if self.codec.pool is not None:
+            self.codec.pool.close()
+        for info in self.ranks.values():
+            shm.forget(info.shm_files)

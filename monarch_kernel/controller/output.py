@@ -1,0 +1,176 @@
+"""Rank-tagged output: turning per-rank stream chunks into notebook lines.
+
+Chunks from one rank are joined into whole lines, and each line is written
+with its rank's tag (``[2] loss 0.31``). Identical lines that several ranks
+print in one burst are folded into one line naming the ranks
+(``[0:4] epoch 1``), as the design asks. A line that ends in ``\\r``
+(a progress bar redrawing itself) is kept per rank and replaced, not
+repeated.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+from monarch_kernel.errors import _compact
+
+__all__ = ["BackgroundOutput", "RankPrinter", "write_stream"]
+
+
+def write_stream(name: str, text: str) -> None:
+    """Write ``text`` to this process's ``sys.stdout`` or ``sys.stderr`` (``name``)
+    and flush (in a kernel: one stream message)."""
+    stream = sys.stdout if name == "stdout" else sys.stderr
+    stream.write(text)
+    stream.flush()
+
+
+class BackgroundOutput:
+    """Where output that belongs to no request goes: what a ``broadcast``
+    endpoint or a rank's background thread prints while nothing waits for
+    that rank. Written as whole lines (any thread), each tagged with its rank.
+
+    In a kernel it lands where ipykernel puts any thread's output: the cell
+    that runs, else the latest one (the ``Controller``'s ``on_output``; set
+    by ``%mesh spawn``).
+
+    A rank's chunks are joined into lines first: ``print("a", x)`` reaches
+    the controller as several chunks, and two ranks printing at once must
+    not interleave inside a line. A line still unfinished after
+    :data:`PARTIAL_S` is written as it is (a prompt, a progress dot); its
+    continuation then goes on without a second tag.
+
+    Parameters
+    ----------
+    write : callable(name: str, text: str) -> None
+        Default :func:`write_stream`.
+    """
+
+    #: seconds an unfinished line waits for the rest of it
+    PARTIAL_S = 0.1
+
+    def __init__(self, write: Callable[[str, str], None] = write_stream) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+        self._partial: dict[tuple[int, str], str] = {}  # (rank, stream) -> unfinished line
+        self._midline: set[tuple[int, str]] = set()  # its beginning was written already
+        self._timer: threading.Timer | None = None
+
+    def __call__(self, rank: int, name: str, text: str) -> None:
+        key = (rank, name)
+        with self._lock:
+            pieces = (self._partial.pop(key, "") + text).splitlines(keepends=True)
+            out = []
+            for piece in pieces:
+                if not piece.endswith(("\n", "\r")):  # the unfinished end: wait for the rest
+                    self._partial[key] = piece
+                    break
+                out.append(piece if key in self._midline else f"[{rank}] {piece}")
+                self._midline.discard(key)
+            if out:
+                self._write(name, "".join(out))
+            if self._partial and self._timer is None:
+                self._timer = threading.Timer(self.PARTIAL_S, self._flush_partial)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush_partial(self) -> None:
+        """Write the lines still unfinished (the timer's thread)."""
+        with self._lock:
+            self._timer = None
+            partial, self._partial = self._partial, {}
+            for (rank, name), piece in partial.items():
+                self._write(name, piece if (rank, name) in self._midline else f"[{rank}] {piece}")
+                self._midline.add((rank, name))
+
+
+class RankPrinter:
+    """Collects stream chunks per rank and emits tagged lines.
+
+    Parameters
+    ----------
+    write : callable(name: str, text: str) -> None
+        Where tagged text goes (``name`` is ``"stdout"`` or ``"stderr"``).
+    fold : bool
+        Fold identical lines from several ranks into one.
+    on_progress : callable(rank, name, text, first) or None
+        Receives a rank's progress line (text after the last ``\r`` of an
+        unfinished line, and the finished line that ends it) so a frontend
+        can show one line per rank updated in place. Without it, progress
+        lines are printed once finished.
+    """
+
+    def __init__(self, write: Callable[[str, str], None], fold: bool = True,
+                 on_progress: Callable[[int, str, str, bool], None] | None = None) -> None:
+        self._write = write
+        self._on_progress = on_progress
+        self._progress: dict[tuple[int, str], str] = {}
+        self._partial: dict[tuple[int, str], str] = {}
+        self._fold = fold
+        self._held: list[tuple[str, str, list[int]]] = []  # (name, line, ranks)
+
+    def feed(self, rank: int, name: str, text: str) -> None:
+        """Add a chunk of ``name`` output from ``rank``."""
+        key = (rank, name)
+        text = self._partial.pop(key, "") + text
+        *lines, rest = text.split("\n")
+        if rest:
+            self._partial[key] = rest
+        for line in lines:
+            if "\r" in line:
+                line = line.rstrip("\r").rsplit("\r", 1)[-1]
+            if key in self._progress and self._on_progress is not None:
+                # the progress bar finished: its last state stays where it was drawn
+                del self._progress[key]
+                self._on_progress(rank, name, line, False)
+                continue
+            self._add(rank, name, line)
+        if rest and "\r" in rest and self._on_progress is not None:
+            current = rest.rstrip("\r").rsplit("\r", 1)[-1]
+            self._partial[key] = current
+            if current and self._progress.get(key) != current:
+                first = key not in self._progress
+                self._progress[key] = current
+                self.flush_lines()
+                self._on_progress(rank, name, current, first)
+
+    def _add(self, rank: int, name: str, line: str) -> None:
+        if self._fold:
+            # a line may join a held line only after this rank's last held line,
+            # so every rank's own order is kept
+            start = 0
+            for i in range(len(self._held) - 1, -1, -1):
+                if rank in self._held[i][2]:
+                    start = i + 1
+                    break
+            for held_name, held_line, ranks in self._held[start:]:
+                if held_name == name and held_line == line:
+                    ranks.append(rank)
+                    return
+            self._held.append((name, line, [rank]))
+            if len(self._held) > 64:
+                self.flush_lines()
+        else:
+            self._write(name, f"[{rank}] {line}\n")
+
+    def flush_lines(self) -> None:
+        """Write every complete line held for folding."""
+        held, self._held = self._held, []
+        by_name: dict[str, list[str]] = {}
+        for name, line, ranks in held:
+            tag = str(ranks[0]) if len(ranks) == 1 else _compact(ranks)
+            by_name.setdefault(name, []).append(f"[{tag}] {line}\n")
+        for name, lines in by_name.items():
+            self._write(name, "".join(lines))
+
+    def close(self) -> None:
+        """Write everything, including unfinished lines."""
+        for (rank, name), rest in sorted(self._partial.items()):
+            if (rank, name) in self._progress:
+                continue  # already shown in place
+            self._add(rank, name, rest.rsplit("\r", 1)[-1])
+        self._partial.clear()
+        self._progress.clear()
+        self.flush_lines()

@@ -1,0 +1,564 @@
+"""Process meshes: spawning worker processes and driving them.
+
+:func:`spawn_procs` starts a controller and a launcher, waits until every
+worker connected, and (with ``dist``) runs ``torch.distributed`` set-up on
+every rank. The :class:`ProcMesh` it returns runs cells, moves variables,
+spawns actors (:meth:`ProcMesh.spawn`), and is stopped with
+:meth:`ProcMesh.stop` or a ``with`` block. A script that forgets to stop
+its meshes has them stopped at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Any
+
+from monarch_kernel.controller.controller import Controller, Request
+from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
+from monarch_kernel.errors import (
+    MESH_STOPPED,
+    MeshError,
+    MeshFailure,
+    RankSpecError,
+    RemoteError,
+    group_failures,
+    remote_exception,
+)
+from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
+from monarch_kernel.mesh.shape import Shape, ValueMesh, parse_ranks
+
+__all__ = ["HostMesh", "ProcMesh", "spawn_procs", "this_host"]
+
+_live: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
+
+class ProcMesh:
+    """A mesh of worker processes with named dimensions.
+
+    Created by :func:`spawn_procs`, ``this_host().spawn_procs(...)`` or the
+    ``%mesh spawn`` magic. Slices (:meth:`slice`) share the processes.
+
+    Attributes
+    ----------
+    shape : Shape
+    controller : Controller
+    launcher : Launcher
+    dist : str or None
+        The ``torch.distributed`` backend set up on every rank, if any.
+    """
+
+    def __init__(self, controller: Controller, launcher: Launcher, shape: Shape,
+                 dist: str | None = None, root: ProcMesh | None = None) -> None:
+        self.controller = controller
+        self.launcher = launcher
+        self.shape = shape
+        self.dist = dist
+        self._root = root
+        self._stopped = False
+        self._cell = 0
+        self._lock = threading.Lock()
+        self.spec: LaunchSpec | None = None  # how the root mesh was launched
+        self.ready = threading.Event()  # cleared while ranks are being restarted
+        self.ready.set()
+        self.supervisor: Any = None
+
+    # --------------------------------------------------------------- shape
+    @property
+    def root(self) -> ProcMesh:
+        return self._root or self
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{dimension: size}``."""
+        return self.shape.dims
+
+    @property
+    def ranks(self) -> list[int]:
+        """Global ranks of this mesh, row-major."""
+        return list(self.shape.ranks)
+
+    @property
+    def transport(self) -> str:
+        """How this mesh's workers talk to its controller: ``"lanes"`` (Unix
+        socket pairs, :mod:`monarch_kernel.transport.lane`: workers the controller
+        started on its own host, the default), ``"zeromq"``, ``"mixed"``, or
+        ``"stopped"``."""
+        if self.root._stopped:
+            return "stopped"
+        ctl = self.root.controller
+        laned = sum(1 for r in self.ranks if r in ctl._lane_of)
+        return "lanes" if laned == len(self.ranks) else "zeromq" if not laned else "mixed"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole (root) mesh."""
+        return len(self.root.shape)
+
+    def __len__(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.root._stopped else self.launcher.name
+        return f"<ProcMesh {self.shape.dims} ({state})>"
+
+    def slice(self, **selectors: int | slice) -> ProcMesh:
+        """A sub-mesh over the same processes (``procs=0``, ``procs=slice(0, 2)``)."""
+        return ProcMesh(self.controller, self.launcher, self.shape.slice(**selectors),
+                        self.dist, self.root)
+
+    # ------------------------------------------------------------ requests
+    def _check(self) -> None:
+        root = self.root
+        if root._stopped:
+            raise MeshFailure(MESH_STOPPED)
+        if not root.ready.is_set() and not root.ready.wait(root.controller.restart_timeout):
+            raise MeshFailure("ranks of this mesh are still being restarted after "
+                              f"{root.controller.restart_timeout:.0f} s")
+
+    def request(self, type: str, content: Any = None, ranks: list[int] | None = None
+                ) -> Request:
+        """Send a request to ``ranks`` (default: this mesh's ranks)."""
+        self._check()
+        return self.controller.request(self.ranks if ranks is None else ranks, type, content)
+
+    def run(self, code: str, ranks: list[int] | None = None) -> Request:
+        """Start running ``code`` as a cell on ``ranks``; returns the :class:`Request`."""
+        with self._lock:
+            self.root._cell += 1
+            n = self.root._cell
+        return self.request("execute", {"code": code, "filename": f"<mesh-cell-{n}>"}, ranks)
+
+    def collect(self, req: Request, ranks: list[int] | None = None,
+                timeout: float | None = None) -> ValueMesh:
+        """Wait for ``req`` and return its values as a :class:`ValueMesh`.
+
+        Raises
+        ------
+        MeshFailure
+            If a rank died before answering.
+        RemoteError
+            If ranks raised; an instance of the original exception type when
+            all failing ranks raised alike.
+        TimeoutError
+            If ``timeout`` seconds passed first.
+
+        Output the ranks print meanwhile is written to ``sys.stdout`` /
+        ``sys.stderr`` live, tagged by rank.
+        """
+        if not show_output(req, timeout):
+            raise TimeoutError(f"no answer from ranks {req.ranks} within {timeout} s")
+        if req.failure is not None:  # fail fast: stop what the other ranks still run
+            from monarch_kernel.controller.output import RankPrinter, write_stream
+            from monarch_kernel.mesh.supervision import stop_survivors
+
+            printer = RankPrinter(write_stream)
+            try:
+                stop_survivors(self, req, lambda ev: _print_event(printer, ev))
+            finally:
+                printer.close()
+        raise_failures(req)
+        shape = self._shape_for(req.ranks if ranks is None else ranks)
+        return ValueMesh(shape, [req.replies[r][1] for r in shape.ranks])
+
+    def _shape_for(self, ranks: list[int]) -> Shape:
+        if sorted(ranks) == sorted(self.shape.ranks):
+            return self.shape
+        return Shape({"ranks": len(ranks)}, sorted(ranks))
+
+    def exec(self, code: str, timeout: float | None = None) -> ValueMesh:
+        """Run ``code`` on every rank and return the last expression's values."""
+        return self.collect(self.run(code), timeout=timeout)
+
+    def push(self, **values: Any) -> None:
+        """Copy ``values`` into every rank's namespace."""
+        self.collect(self.request("push", values))
+
+    def pull(self, name: str) -> ValueMesh:
+        """A variable from every rank's namespace, as a :class:`ValueMesh`.
+
+        Raises
+        ------
+        RemoteError
+            (also a ``NameError``) if a rank has no such variable.
+        """
+        vm = self.collect(self.request("pull", {"names": [name]}))
+        return ValueMesh(vm.shape, [v[0] for v in vm.values()])
+
+    def interrupt(self, ranks: list[int] | None = None) -> None:
+        """Interrupt the code running on ``ranks`` (KeyboardInterrupt there)."""
+        ranks = self.ranks if ranks is None else ranks
+        if self.launcher.local:
+            import signal
+
+            self.launcher.signal(ranks, signal.SIGINT)
+        else:
+            self.controller.notify(ranks, "interrupt")
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: rank, host, pid, state, exit code, message counts."""
+        rows = []
+        placements = self.launcher.placements()
+        for r in self.ranks:
+            info = self.controller.ranks[r]
+            p = placements.get(r)
+            rows.append({
+                "rank": r,
+                "host": info.host or (p.host if p else ""),
+                "pid": info.pid or (p.pid if p else None),
+                "job": p.job if p else None,
+                "state": "stopped" if self.root._stopped else info.state,
+                "exitcode": info.exitcode,
+                "messages_in": info.messages_in,
+                "messages_out": info.messages_out,
+                **info.telemetry,
+            })
+        return rows
+
+    def setup_dist(self, timeout: float = 120.0) -> None:
+        """Run ``torch.distributed`` set-up on every rank of the root mesh.
+
+        MASTER_ADDR is the host of rank 0 (the controller's address for local
+        meshes; for other launchers rank 0's address on the interface that
+        routes to the controller, which its peers can reach whatever its host
+        name resolves to); MASTER_PORT a free port there.
+        """
+        setup_mesh(self.root, timeout)
+
+    # ---------------------------------------------------------------- actors
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
+        """Construct ``actor_class(*args, **kwargs)`` on every rank: an ActorMesh."""
+        from monarch_kernel.actor.actor_mesh import spawn_actor_mesh
+
+        return spawn_actor_mesh(self, name, actor_class, args, kwargs)
+
+    def ref(self, name: str) -> Any:
+        """A handle to variable ``name`` of every rank of this mesh; the values stay on
+        the ranks (see :class:`monarch_kernel.tensors.handles.Ref`).
+
+        Raises
+        ------
+        RemoteError
+            (also a NameError) if a rank has no such variable.
+        """
+        from monarch_kernel.tensors.handles import ref_of
+
+        return ref_of(self, name)
+
+    def dashboard(self, interval: float = 1.0, history: float = 60.0, layout: str = "auto"
+                  ) -> Any:
+        """A live ipywidgets dashboard of this mesh's ranks (CPU, memory, GPU).
+
+        See :class:`monarch_kernel.ui.dashboard.Dashboard` for the parameters.
+
+        Raises
+        ------
+        MeshFailure
+            If the mesh was stopped.
+        """
+        self._check()
+        from monarch_kernel.ui.dashboard import Dashboard
+
+        return Dashboard(self, interval=interval, history=history, layout=layout)
+
+    # ------------------------------------------------------------- recovery
+    def restart(self, ranks: int | str | list[int] | None = None, timeout: float = 120.0
+                ) -> None:
+        """Replace ``ranks`` (default: this mesh's ranks) with fresh processes.
+
+        Parameters
+        ----------
+        ranks : int, str, list of int or None
+            A rank, a rank spec as ``%mesh restart`` takes (``"1,2"``,
+            ``"0:4"``, ``"all"``), or a list of ranks.
+        timeout : float
+            Seconds to wait for the new processes.
+
+        Raises
+        ------
+        RankSpecError
+            For a rank spec that does not parse or names no rank of the mesh.
+
+        See :func:`monarch_kernel.mesh.supervision.restart_ranks`.
+        """
+        from monarch_kernel.mesh.supervision import restart_ranks
+
+        if ranks is None:
+            ranks = self.ranks
+        elif isinstance(ranks, str):
+            # ("all": this mesh's ranks, which a slice has fewer of than the root)
+            ranks = (self.ranks if ranks.strip() in ("all", "*", "")
+                     else parse_ranks(ranks, self.world_size))
+            outside = [r for r in ranks if r not in self.ranks]
+            if outside:
+                raise RankSpecError(f"ranks {outside} are not part of this mesh "
+                                    f"(its ranks: {self.ranks})")
+        elif isinstance(ranks, int):
+            ranks = [ranks]
+        restart_ranks(self, list(ranks), timeout)
+
+    # --------------------------------------------------------------- closing
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every worker of the (root) mesh and close the controller.
+
+        Idempotent. Workers that do not exit within ``timeout`` seconds are
+        terminated, then killed.
+        """
+        root = self.root
+        if root._stopped:
+            return
+        root._stopped = True
+        from monarch_kernel.actor import mesh_keys
+
+        mesh_keys.unregister(root.controller)  # the other meshes' workers forget its key
+        root.controller.stopping = True  # exits from here on are "stopped", not "dead"
+        live = [r for r, i in root.controller.ranks.items() if i.state not in ("dead", "stopped")]
+        # ranks still starting (never said hello) get no request: it would wait for them
+        started = [r for r in live if root.controller.ranks[r].state != "starting"]
+        try:
+            reqs = root.controller.request(started, "stop") if started else None
+            if reqs is not None:
+                reqs.wait(timeout)
+        except MeshFailure:
+            pass
+        root.launcher.stop(timeout=timeout)
+        for r in live:
+            root.controller.mark_dead(r, 0, state="stopped")
+        root.controller.close()
+        _live.discard(root)
+
+    def __enter__(self) -> ProcMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def show_output(req: Request, timeout: float | None = None) -> bool:
+    """Print ``req``'s rank-tagged output live until it is done; True if done."""
+    import time
+
+    from monarch_kernel.controller.output import RankPrinter, write_stream
+
+    printer = RankPrinter(write_stream)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            done = req.done()
+            ev = req.next_event(0.02)
+            if ev is None:
+                printer.flush_lines()
+                if done:
+                    return True
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                continue
+            _print_event(printer, ev)
+    finally:
+        printer.close()
+
+
+def _print_event(printer: Any, ev: tuple) -> None:
+    if ev[0] == "stream":
+        printer.feed(ev[1], ev[2], ev[3])
+    elif ev[0] == "display":
+        text = ev[2].get("data", {}).get("text/plain")
+        if text:
+            printer.feed(ev[1], "stdout", text + "\n")
+
+
+def raise_failures(req: Request, actor: str | None = None) -> None:
+    """Raise what went wrong with ``req``, if anything (see :meth:`ProcMesh.collect`)."""
+    failures = req.failures(actor)
+    if req.failure is not None:
+        if failures:  # ranks that failed too (often because of the dead one)
+            req.failure.others = [remote_exception(g) for g in group_failures(failures)]
+        raise req.failure
+    if failures:
+        from monarch_kernel.errors import ActorError
+
+        base = ActorError if actor else RemoteError
+        groups = group_failures(failures)
+        if len(groups) == 1:
+            raise remote_exception(groups[0], base)
+        err = remote_exception(groups[0], base)
+        err.others = [remote_exception(g, base) for g in groups[1:]]
+        raise err
+
+
+def spawn_procs(
+    shape: dict[str, int] | int = 1,
+    *,
+    dist: str | None = None,
+    launcher: str | Launcher = "local",
+    bind: str | None = None,
+    heartbeat: float = 1.0,
+    timeout: float = 120.0,
+    on_output: Any = None,
+    launcher_options: dict[str, Any] | None = None,
+    telemetry_interval: float = 1.0,
+    restart: str = "never",
+    max_restarts: int = 3,
+    encrypt: bool | None = None,
+) -> ProcMesh:
+    """Start a mesh of worker processes.
+
+    Parameters
+    ----------
+    shape : dict of str to int, or int
+        Named dimensions (``{"hosts": 1, "procs": 4}``); an int ``N`` means
+        ``{"hosts": 1, "procs": N}``.
+    dist : {"gloo", "nccl", "none"} or None
+        Set up ``torch.distributed`` on every rank (MASTER_ADDR,
+        MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
+        ``init_process_group``); with ``nccl`` LOCAL_RANK picks the GPU.
+    launcher : str or Launcher
+        ``"local"`` (subprocesses of this host) or ``"slurm"``.
+    bind : str, optional
+        Address the controller binds: an IPv4 address, an interface name,
+        a host name or ``0.0.0.0``. Default: loopback for the local launcher,
+        else the launcher's ``default_bind()`` (for Slurm: the address that
+        routes to the cluster). Beyond loopback, traffic is encrypted with
+        CurveZMQ (see ``encrypt``).
+    heartbeat : float
+        Seconds between heartbeats.
+    timeout : float
+        Seconds to wait for every worker to connect (and set up).
+    telemetry_interval : float
+        Seconds between each worker's telemetry samples (CPU, memory, GPU;
+        see :mod:`monarch_kernel.worker.telemetry`); 0 turns telemetry off.
+
+    restart : {"never", "on-failure"}
+        Restart ranks that die automatically (:mod:`.supervision`).
+    max_restarts : int
+        Restart budget of the whole mesh with ``restart="on-failure"``.
+    encrypt : bool or None
+        Encrypt controller/worker traffic with CurveZMQ. Default: on when the
+        controller binds beyond loopback; turning it off there prints a
+        warning (messages are still signed).
+
+    Returns
+    -------
+    ProcMesh
+
+    Raises
+    ------
+    MeshError
+        For a bad shape, backend or restart policy.
+    MeshFailure
+        If a worker died while starting.
+    TimeoutError
+        If workers did not connect in time.
+    ValueError
+        If ``MONARCH_SPIN_US`` is set to something other than 0-10000
+        microseconds (see :mod:`monarch_kernel.controller.io`), or
+        ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH`` to
+        something other than 0 or 1 (see :mod:`monarch_kernel.util.switches`).
+    """
+    if isinstance(shape, int):
+        shape = {"hosts": 1, "procs": shape}
+    sh = Shape(shape)
+    if dist not in (None, *DIST_BACKENDS):
+        raise MeshError(f"unknown --dist backend {dist!r}; use gloo, nccl or none")
+    from monarch_kernel.mesh.supervision import RESTART_POLICIES, Supervisor
+
+    if restart not in RESTART_POLICIES:
+        raise MeshError(f"unknown restart policy {restart!r}; use never or on-failure")
+    n = len(sh)
+    if n > 4096:
+        raise MeshError(f"{n} ranks is more than this controller supports (4096)")
+    la = get_launcher(launcher, **(launcher_options or {}))
+    ctl = _controller_for(la, bind, heartbeat, on_output, encrypt)
+    from monarch_kernel.actor import mesh_keys
+
+    mesh_keys.register(ctl)  # this program's meshes: their actors may call each other
+    mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
+    ranks = list(range(n))
+    ctl.expect(ranks, local=la.local)
+    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat,
+                      telemetry_interval=telemetry_interval,
+                      curve_server_key=ctl.curve_public_key, down_address=ctl.down_address)
+    mesh.spec = spec
+    ctl.poll_exits = la.poll
+    ctl.leftover_output = la.leftover_output
+    if hasattr(la, "on_pipes"):  # local workers: their output pipes are read here
+        la.on_pipes = ctl.adopt_pipes
+    if hasattr(la, "on_lane") and la.local and ctl.use_lanes:  # ... and their messages
+        la.on_lane = ctl.adopt_lane
+    la.attach(ctl)
+    try:
+        la.launch(spec)
+        la.wait_started(timeout)
+        ctl.wait_ready(ranks, timeout)
+        mesh_keys.introduce(ctl, ranks)  # (before anything else reaches them)
+        if mesh.dist:
+            mesh.setup_dist(timeout)
+    except BaseException:
+        mesh.stop(timeout=2)
+        raise
+    if restart == "on-failure":
+        mesh.supervisor = Supervisor(mesh, max_restarts)
+    from monarch_kernel.actor.host import supervise_from_current_actor
+
+    supervise_from_current_actor(ctl)  # spawned by an actor: its __supervise__ sees failures
+    _live.add(mesh)
+    return mesh
+
+
+def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any,
+                    encrypt: bool | None = None) -> Controller:
+    """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
+    from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
+    from monarch_kernel.transport.sockets import is_loopback
+
+    try:
+        addr = resolve_bind(bind) if bind else la.default_bind()
+    except ValueError as e:
+        raise MeshError(str(e)) from None
+    if encrypt is None:
+        encrypt = not is_loopback(addr)
+    ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
+    if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
+        ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
+        ctl.down_address = ctl.down_address.replace("0.0.0.0", la.default_bind(), 1)
+    if not is_loopback(addr) and not encrypt:
+        import sys
+
+        print(f"warning: the mesh controller listens on {ctl.address} (not loopback) with "
+              "encryption turned off: mesh traffic is signed (HMAC) but NOT encrypted, so "
+              "anyone on that network can read it; use only trusted networks",
+              file=sys.stderr, flush=True)
+    return ctl
+
+
+class HostMesh:
+    """The hosts a mesh can be spawned on (Monarch's ``this_host()``)."""
+
+    def __init__(self, launcher: str | Launcher = "local", hosts: int = 1) -> None:
+        self.launcher = launcher
+        self.hosts = hosts
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, **kwargs: Any) -> ProcMesh:
+        """Spawn ``per_host`` processes on each host, e.g. ``per_host={"procs": 4}``.
+
+        Other keyword arguments go to :func:`spawn_procs`.
+        """
+        per_host = dict(per_host or {"procs": 1})
+        shape = {"hosts": self.hosts, **per_host}
+        kwargs.setdefault("launcher", self.launcher)
+        return spawn_procs(shape, **kwargs)
+
+
+def this_host() -> HostMesh:
+    """This machine as a one-host mesh (``this_host().spawn_procs(...)``)."""
+    return HostMesh("local", 1)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for m in list(_live):
+        try:
+            m.stop(timeout=2)
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+

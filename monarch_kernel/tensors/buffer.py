@@ -1,0 +1,323 @@
+"""RDMABuffer: one-sided reads and writes of a tensor registered on a rank.
+
+A rank registers a tensor (``buf = RDMABuffer(t)``) and sends the handle
+to others, inside any actor call or return value; a holder of the handle on
+another rank then reads the tensor's bytes into a tensor of its own
+(``buf.read_into(dst)``) or writes into it (``buf.write_from(src)``),
+without the owner's code taking part and never through the controller.
+The API is PyTorch Monarch's ``monarch.rdma.RDMABuffer`` (``size``,
+``read_into``, ``write_from``, ``drop``, futures that are both ``.get()``-able
+and awaitable); the transport is not RDMA hardware but what this host
+offers:
+
+* CUDA tensor, reader on the same host: a CUDA IPC handle
+  (``cudaIpcGetMemHandle``, through ``torch.multiprocessing``'s reductions)
+  made fresh for each operation by the owner's peer I/O (or leading) thread; the reader
+  maps the owner's memory and copies device to device. The copy is ordered
+  after the work the owner had queued on its default stream when the handle
+  was made (the handle carries a CUDA event).
+* CPU tensor, same host: the reader lends the owner a pooled shared-memory
+  file (:meth:`monarch_kernel.wire.shm.Pool.lease`); the owner's peer I/O (or leading) thread
+  copies the bytes into it (a read) or out of it (a write): one copy on
+  each side, no socket.
+* Otherwise (another host, or CUDA IPC refused): the bytes travel as
+  zero-copy ZeroMQ frames of the peer connection (signed), staged through
+  host memory for CUDA tensors.
+
+The owner keeps the tensor alive until :meth:`RDMABuffer.drop`. Like real
+RDMA, nothing orders a read against the owner's later writes: tell readers
+when the data is ready (an endpoint call does).
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+from typing import Any
+
+from monarch_kernel.errors import MeshError
+from monarch_kernel.actor.future import Future, check_timeout
+
+__all__ = ["RDMABuffer"]
+
+_registry: dict[str, Any] = {}  # buffer id -> registered object (owner side)
+_lock = threading.Lock()
+
+#: seconds an operation waits for the owner by default
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _worker() -> Any:
+    mod = sys.modules.get("monarch_kernel.worker.worker")
+    w = getattr(mod, "current", None) if mod is not None else None
+    if w is None:
+        raise MeshError("RDMABuffer works on the ranks of a mesh: register, read, write and "
+                        "drop buffers in actor endpoints or %%mesh cells (the controller can "
+                        "only hold handles and pass them on)")
+    return w
+
+
+def _byte_view(x: Any, what: str, writable: bool) -> Any:
+    """A flat uint8 view of ``x`` sharing its memory: a torch tensor for a
+    tensor (on its device), a numpy array for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or not x.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous tensor; got shape "
+                             f"{tuple(x.shape)} with strides {x.stride()} (call .contiguous())")
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{what} is on {x.device}; only CPU and CUDA tensors can be used")
+        return x.detach().reshape(-1).view(torch.uint8)
+    import numpy as np
+
+    try:
+        a = np.asarray(memoryview(x) if not isinstance(x, np.ndarray) else x)
+    except TypeError:
+        raise TypeError(f"{what} must be a torch.Tensor, a numpy array or a buffer; got "
+                        f"{type(x).__name__}") from None
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{what} is read-only")
+    return a.reshape(-1).view(np.uint8)
+
+
+def _is_cuda(view: Any) -> bool:
+    return getattr(getattr(view, "device", None), "type", "cpu") == "cuda"
+
+
+def _copy(dst: Any, src: Any) -> None:
+    """Copy between flat uint8 views (torch or numpy, any device), synchronously:
+    CUDA copies are complete when this returns."""
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    dt = torch is not None and isinstance(dst, torch.Tensor)
+    st = torch is not None and isinstance(src, torch.Tensor)
+    if dt and dst.device.type == "cpu":
+        dst, dt = dst.numpy(), False
+    if st and src.device.type == "cpu":
+        src, st = src.numpy(), False
+    if not dt and not st:
+        np.copyto(dst, src)  # (numpy lets other threads run during a large copy)
+        return
+    d = dst if dt else torch.from_numpy(dst)
+    s = src if st else torch.from_numpy(src if src.flags.writeable else src.copy())
+    d.copy_(s)
+    for t in (d, s):  # the copy's streams only: never wait for, say, NCCL's work here
+        if t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
+
+
+class RDMABuffer:
+    """A handle to a tensor registered on a rank, readable and writable from
+    other ranks (see the module docstring for how the bytes travel).
+
+    Parameters
+    ----------
+    data : torch.Tensor, numpy.ndarray or writable buffer
+        Contiguous, on the CPU or a CUDA device, at least one byte. Its
+        memory is used in place (not copied) and kept alive until
+        :meth:`drop`.
+
+    Raises
+    ------
+    MeshError
+        Outside the ranks of a mesh (in the controller): buffers live on
+        ranks; the controller can hold and pass handles.
+    ValueError
+        If ``data`` is not contiguous, is empty or is on another device type.
+
+    Notes
+    -----
+    The handle pickles to a few hundred bytes (id, owner rank and address,
+    size): send it in any call or return value. From PyTorch Monarch's
+    ``monarch.rdma.RDMABuffer``.
+    """
+
+    def __init__(self, data: Any) -> None:
+        w = _worker()
+        view = _byte_view(data, "data", writable=True)
+        nbytes = _nbytes(view)
+        if nbytes == 0:
+            raise ValueError("cannot make an RDMABuffer of 0 bytes")
+        from monarch_kernel.actor.peers import peer_host
+
+        host = peer_host(w)
+        self._id = secrets.token_hex(8)
+        self._rank = int(w.rank)
+        self._address = host.address
+        self._nbytes = nbytes
+        self._device = str(view.device) if hasattr(view, "numel") else "cpu"
+        self._mesh = w.codec.fingerprint  # (which mesh: mesh_keys.check_known)
+        with _lock:
+            _registry[self._id] = (data, view)
+
+    # -------------------------------------------------------------- the handle
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self._id, self._rank, self._address, self._nbytes, self._device,
+                           self._mesh))
+
+    def __repr__(self) -> str:
+        return (f"RDMABuffer({self._nbytes} bytes on rank {self._rank}, {self._device}, "
+                f"id {self._id})")
+
+    def size(self) -> int:
+        """The buffer's size in bytes."""
+        return self._nbytes
+
+    @property
+    def owner(self) -> int:
+        """The rank that registered the buffer."""
+        return self._rank
+
+    @property
+    def device(self) -> str:
+        """Where the bytes live on the owner (``"cpu"``, ``"cuda:0"``, ...)."""
+        return self._device
+
+    # -------------------------------------------------------------- operations
+    def read_into(self, dst: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> Future[int]:
+        """Copy the buffer's bytes into ``dst``.
+
+        Parameters
+        ----------
+        dst : torch.Tensor (CPU or CUDA), numpy.ndarray or writable buffer
+            Contiguous, at least :meth:`size` bytes; its first ``size()``
+            bytes are overwritten (raw bytes: give it the owner's dtype).
+        timeout : float or None
+            Seconds to wait for the owner; the future then fails with
+            TimeoutError.
+
+        Returns
+        -------
+        Future of int
+            The number of bytes read, once they are in ``dst`` (CUDA copies
+            are complete, not only queued). ``.get()`` or ``await`` it.
+
+        Raises
+        ------
+        ValueError, TypeError
+            At once, if ``dst`` is too small, not contiguous or not writable,
+            or ``timeout`` is negative, NaN or not a number.
+        MeshError
+            Outside the ranks of a mesh. Through the future: MeshError if the
+            buffer was dropped, MeshFailure if the owner died.
+        """
+        view = _byte_view(dst, "dst", writable=True)
+        n = _nbytes(view)
+        if n < self._nbytes:
+            raise ValueError(f"dst has {n} bytes but the buffer holds {self._nbytes}: pass a "
+                             f"tensor of at least {self._nbytes} bytes")
+        return self._start("read", view[: self._nbytes], timeout)
+
+    def write_from(self, src: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> Future[None]:
+        """Copy ``src``'s bytes into the buffer (its first ``src`` bytes).
+
+        Parameters
+        ----------
+        src : torch.Tensor (CPU or CUDA), numpy.ndarray or buffer
+            Contiguous, at most :meth:`size` bytes.
+        timeout : float or None
+            Seconds to wait for the owner.
+
+        Returns
+        -------
+        Future of None
+            Done once the bytes are in the owner's tensor.
+
+        Raises
+        ------
+        ValueError, TypeError
+            At once, if ``src`` is too large or not contiguous, or ``timeout``
+            is negative, NaN or not a number.
+        MeshError
+            Outside the ranks of a mesh; through the future as for
+            :meth:`read_into`.
+        """
+        view = _byte_view(src, "src", writable=False)
+        n = _nbytes(view)
+        if n > self._nbytes:
+            raise ValueError(f"src has {n} bytes but the buffer holds only {self._nbytes}: "
+                             f"write a part of it (at most {self._nbytes} bytes), or register "
+                             "a larger buffer")
+        return self._start("write", view, timeout)
+
+    def drop(self) -> Future[None]:
+        """Release the owner's tensor: later reads and writes fail with
+        MeshError. Dropping twice is harmless.
+
+        Returns
+        -------
+        Future of None
+        """
+        w = self._worker_of_mesh()
+        if self._is_owner(w):
+            unregister(self._id)
+            return Future.completed(None)
+        return self._start("drop", None, None)
+
+    # ---------------------------------------------------------------- plumbing
+    def _worker_of_mesh(self) -> Any:
+        """This worker, if it may reach the owner: a rank of the owner's mesh, or of
+        another mesh of its program (:mod:`monarch_kernel.actor.mesh_keys`)."""
+        from monarch_kernel.actor.mesh_keys import check_known
+
+        w = _worker()
+        check_known(w, self._mesh, repr(self))
+        return w
+
+    def _is_owner(self, w: Any) -> bool:
+        from monarch_kernel.actor.peers import peer_host
+
+        return peer_host(w).address == self._address
+
+    def _start(self, op: str, view: Any, timeout: float | None) -> Future[Any]:
+        timeout = check_timeout(timeout)  # (as Future.get's: clear, and at once)
+        w = self._worker_of_mesh()
+        if self._is_owner(w):  # the owner itself: a plain copy
+            try:
+                reg = _lookup(self._id, self._rank)[1]
+                n = _nbytes(view)
+                _copy(view, reg[:n]) if op == "read" else _copy(reg[:n], view)
+            except BaseException as e:  # noqa: BLE001 - reported through the future
+                return Future.failed(e)
+            return Future.completed(n if op == "read" else None)
+        from monarch_kernel.tensors import buffer_ops
+
+        return buffer_ops.start(w, self, op, view, timeout)
+
+
+def _nbytes(view: Any) -> int:
+    return int(view.numel()) if hasattr(view, "numel") else int(view.nbytes)
+
+
+def _lookup(bid: str, rank: int) -> tuple[Any, Any]:
+    with _lock:
+        entry = _registry.get(bid)
+    if entry is None:
+        raise MeshError(f"RDMABuffer {bid} on rank {rank} was dropped (or its rank was "
+                        "restarted since): register the tensor again")
+    return entry
+
+
+def _rebuild(bid: str, rank: int, address: str, nbytes: int, device: str,
+             mesh: str) -> RDMABuffer:
+    b = RDMABuffer.__new__(RDMABuffer)
+    b._id, b._rank, b._address, b._nbytes, b._device = bid, rank, address, nbytes, device
+    b._mesh = mesh
+    return b
+
+
+def unregister(bid: str) -> None:
+    """Forget buffer ``bid`` here (its owner's ``drop``); no error if unknown."""
+    with _lock:
+        _registry.pop(bid, None)
+
+
+def registered(bid: str) -> bool:
+    """True while buffer ``bid`` is registered in this process (tests)."""
+    with _lock:
+        return bid in _registry
+

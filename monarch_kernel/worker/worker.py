@@ -1,0 +1,585 @@
+"""The worker process: one per rank (``python -m monarch_kernel.worker.worker``).
+
+Threads
+-------
+main
+    Runs requests one at a time, in arrival order: cells (``execute``),
+    ``push``, ``pull``, distributed set-up, actor construction. User code
+    runs here, so signals (interrupts) reach it.
+I/O (``monarch-io``)
+    Reads the receiving DEALER (``dealer``) while it leads (see
+    :mod:`monarch_kernel.worker.io`: an idle actor's thread leads instead):
+    verifies messages and routes them, sends heartbeats, and exits the
+    process when the controller is gone (its pid vanished, or no heartbeat
+    for ``--heartbeat-timeout`` seconds). Any thread sends on the second
+    DEALER (``up``) under a lock.
+capture (``monarch-capture``)
+    Forwards what user code writes to fds 1 and 2, live -- only for remote
+    workers; a local worker's fds are pipes the controller reads itself.
+actors
+    One thread per actor (see :mod:`monarch_kernel.actor.actor_mesh`): an actor handles
+    one message at a time, different actors run concurrently. Replies to a
+    burst of quick calls leave several to a message (``replies``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import builtins
+import codecs
+import linecache
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+import zmq
+
+from monarch_kernel.wire import protocol
+from monarch_kernel.worker import telemetry
+from monarch_kernel.wire import shm as _shm
+from monarch_kernel.worker.capture import FdCapture
+from monarch_kernel.mesh.dist_setup import init_rank
+from monarch_kernel.errors import RemoteError, SerializationError, _ranks_label
+from monarch_kernel.transport.lane import Lane
+from monarch_kernel.worker.sched import batch_scheduling
+from monarch_kernel.wire.serialize import cuda_ipc, reply_content
+from monarch_kernel.transport.sockets import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
+from monarch_kernel.worker.io import WorkerIO, _exit
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+log = logging.getLogger("monarch_kernel.worker.worker")
+
+_CO_COROUTINE = 0x0080
+
+#: this process's pid, kept current across os.fork (getpid(2) is a system call, and
+#: the I/O asks at each step: leave_if_forked(strict=False))
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+#: the running worker of this process (None outside a worker)
+current: Worker | None = None
+
+
+class Worker(WorkerIO):
+    """State and loops of one worker process.
+
+    Parameters
+    ----------
+    address : str
+        The controller's ``tcp://host:port``.
+    key : bytes
+        The mesh's HMAC key.
+    rank, world_size : int
+    shape : dict of str to int
+        The mesh's named dimensions, e.g. ``{"hosts": 1, "procs": 4}``.
+    controller_pid : int or None
+        The controller's pid when it runs on this host (watched for exit).
+    heartbeat : float
+        Seconds between heartbeats.
+    heartbeat_timeout : float
+        Exit after this many seconds without hearing from the controller.
+    curve_server_key : bytes or None
+        The controller's CurveZMQ public key; the connection is encrypted.
+    down_address : str or None
+        The controller's second endpoint (controller -> worker traffic); with
+        it, sending and receiving use separate connections.
+    lane_fd : int or None
+        This worker's end of a lane to a controller on this host (a Unix
+        socket it inherited, :mod:`monarch_kernel.transport.lane`): every message to
+        and from the controller then goes through it, not ZeroMQ.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        key: bytes,
+        rank: int,
+        world_size: int,
+        shape: dict[str, int],
+        controller_pid: int | None = None,
+        heartbeat: float = 1.0,
+        heartbeat_timeout: float = 6.0,
+        curve_server_key: bytes | None = None,
+        down_address: str | None = None,
+        lane_fd: int | None = None,
+    ) -> None:
+        self.address = address
+        self.pid = os.getpid()  # (a child forked by user code has another: leave_if_forked)
+        self.rank = rank
+        self.world_size = world_size
+        self.shape = shape
+        self.controller_pid = controller_pid
+        self.heartbeat = heartbeat
+        self.heartbeat_timeout = heartbeat_timeout
+        self.curve_server_key = curve_server_key  # set: encrypted mesh (actor peers too)
+        self.codec = protocol.Codec(key, f"r{rank}")
+        if controller_pid is not None:  # the controller is on this host: pooled replies
+            self.codec.pool = _shm.Pool()
+        self.ctx = zmq.Context()
+        # a random routing identity: the controller learns it from the signed hello
+        ident = f"r{rank}.{secrets.token_hex(8)}".encode()
+        self.up: zmq.Socket | None = None
+        self.lane: Lane | None = None
+        if lane_fd is not None:  # a controller on this host: no ZeroMQ connection to it
+            sock = socket.socket(fileno=lane_fd)
+            # programs it starts must not hold it (a forked child closes its copy: lane.py)
+            sock.set_inheritable(False)
+            self.lane = Lane(sock, f"lane-r{rank}")
+            self.dealer = None
+        elif down_address:
+            # two connections: `dealer` (controller -> worker) is read by the I/O thread
+            # only; `up` (worker -> controller) is written by any thread under a lock,
+            # so a reply leaves without a hand-off to the I/O thread
+            self.dealer = connect_dealer(self.ctx, down_address, ident, curve_server_key)
+            self.up = connect_dealer(self.ctx, address, ident, curve_server_key)
+        else:  # one connection, written by the I/O thread only (through the outbox)
+            self.dealer = connect_dealer(self.ctx, address, ident, curve_server_key)
+        self._up_lock = threading.Lock()
+        self.pull, inproc = inproc_pair(self.ctx)
+        self.outbox = Outbox(self.ctx, inproc)
+        self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
+        self.current_parent: str | None = None
+        self.busy = False
+        self.stopping = threading.Event()
+        self.exit_code = 0
+        self.main_thread_id = threading.get_ident()
+        self.cell_count = 0
+        self.telemetry_interval = telemetry.DEFAULT_INTERVAL  # seconds; 0: off
+        self.telemetry: telemetry.TelemetryThread | None = None
+        self.actors: dict[str, Any] = {}
+        #: keys of the other meshes of this worker's program, by fingerprint (mesh_keys.py)
+        self.keyring: dict[str, bytes] = {}
+        self.dropped_keys: set[str] = set()  # fingerprints of meshes that stopped
+        self._decoders = {
+            n: codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for n in ("stdout", "stderr")
+        }
+        self.module = types.ModuleType("__main__")
+        self.module.__dict__.update(
+            {"__builtins__": builtins, "rank": rank, "world_size": world_size}
+        )
+        self.namespace = self.module.__dict__
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.capture: FdCapture | None = None
+        # leader/follower state (see _io_loop)
+        self._lead = threading.Lock()
+        self._want = 0
+        self._want_lock = threading.Lock()
+        self._led_at = 0.0
+        self._leader: int | None = None  # the thread that holds _lead, while it polls
+        self._lead_poller: FdPoller | None = None  # actors' and callers' (worker_io)
+        self._lead_waits = 0  # threads in lead_wait
+        self._poller: zmq.Poller | FdPoller | None = None
+        self._last_heard = self._last_sent = time.monotonic()
+        self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+
+    # ---------------------------------------------------------------- sending
+    def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
+        """Send a message to the controller from any thread.
+
+        Large buffers of a reply go through shared memory when the controller
+        is on this host (:mod:`monarch_kernel.wire.shm`).
+
+        Raises
+        ------
+        SerializationError
+            If ``content`` cannot be pickled.
+        """
+        shm = "reply" if type == "reply" and self.controller_pid is not None else None
+        with cuda_ipc(shm is not None):  # one receiver on this host: CUDA IPC handles
+            # large buffers in pooled files, reused once the controller says shm_done
+            frames = self.codec.encode(type, content, parent, shm=shm)
+        self._send_frames(frames)
+
+    def _send_frames(self, frames: list[Any]) -> None:
+        if self.lane is not None:
+            self.lane.send(frames)
+        elif self.up is not None:
+            with self._up_lock:
+                send_frames(self.up, frames)
+        else:
+            self.outbox.send(frames)
+
+    def _on_output(self, name: str, data: bytes) -> None:
+        text = self._decoders[name].decode(data)
+        if text:
+            try:
+                self.send("stream", {"name": name, "text": text}, self.current_parent)
+            except Exception:  # the connection is closing; nowhere to send it
+                pass
+
+    # ----------------------------------------------------------- main thread
+    def serve(self) -> int:
+        """Run the main loop until a ``stop`` request; returns the exit code."""
+        self.io_thread.start()
+        self.send(
+            "hello",
+            {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+             "down": self.up is not None or self.lane is not None},
+        )
+        self.telemetry = telemetry.start(self, self.telemetry_interval)
+        while True:
+            try:
+                if not self.actors and self.requests.empty():
+                    # no actor: this thread reads the next request itself (worker_io)
+                    self.lead_until(self.requests, actors=0)
+                msg = self.requests.get()
+            except KeyboardInterrupt:  # an interrupt that arrived while idle
+                continue
+            if msg is None:
+                break
+            try:
+                self._handle(msg)
+            except KeyboardInterrupt:
+                pass
+            if msg.type == "stop":
+                break
+        return self.exit_code
+
+    def leave_if_forked(self, strict: bool = True) -> None:
+        """Exit at once if this is a child that user code forked (``os.fork()``
+        in a cell or an endpoint) and that came back into the worker's code
+        instead of ending with ``os._exit``: it must not answer for the
+        worker, nor keep serving (its parent does), nor remove the parent's
+        shared-memory files. Says so on stderr, which the notebook shows.
+
+        ``strict`` asks getpid(2), which also catches a fork made in C without
+        Python's at-fork hooks; otherwise the pid those hooks keep is compared
+        (no system call: each I/O step asks, where user code never ran)."""
+        if (os.getpid() if strict else _pid) == self.pid:
+            return
+        try:
+            os.write(2, (f"[monarch] rank {self.rank}: process {os.getpid()}, forked by user "
+                         "code, came back to the worker's loop and exits; end forked "
+                         "children with os._exit()\n").encode())
+        finally:
+            os._exit(0)
+
+    def _handle(self, msg: protocol.Message) -> None:
+        handler = getattr(self, f"_do_{msg.type}", None)
+        self.current_parent = msg.id
+        self.busy = True
+        telemetry.set_activity(telemetry.request_activity(msg.type))
+        status, value = "ok", None
+        try:
+            try:
+                if handler is None:
+                    raise ValueError(f"unknown request type {msg.type!r}")
+                value = handler(msg.content)
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+                if isinstance(e, Exception) and type(e).__name__ != "BdbQuit":
+                    # kept for `%mesh debug --post-mortem` (describe_failure clears it)
+                    self.last_exception, self.last_traceback = e, e.__traceback__
+                status, value = "error", None
+                value = self.describe_failure(e)
+            finally:
+                self.busy = False
+                telemetry.set_activity(None)
+        except KeyboardInterrupt:  # an interrupt that landed just after the work ended
+            if status == "error" and value is None:
+                value = {"type": "KeyboardInterrupt", "message": "interrupted",
+                         "traceback": "", "exc": None}
+        self.leave_if_forked()
+        names = msg.content.get("names") if msg.type == "pull" and status == "ok" else None
+        self.reply(msg.id, status, value, names)
+
+    def reply(self, parent: str, status: str, value: Any, names: list[str] | None = None
+              ) -> None:
+        """Send a reply after every output written so far (thread-safe).
+
+        ``names``: for a pull, the names of the values in ``value`` (a list),
+        to name the one that cannot be pickled.
+        """
+        if self.capture is not None:
+            self.capture.drain()
+        if self.current_parent == parent:
+            self.current_parent = None
+        try:
+            self.send("reply", reply_content(status, value), parent)
+        except SerializationError as e:
+            if status == "ok":
+                failure = self.describe_failure(e, with_traceback=False)
+                # no "rank N:" here: the controller names the ranks (and groups alike ones)
+                failure["message"] = (
+                    f"{_unsendable(value, names)}, which cannot be sent to the controller "
+                    f"({e.__cause__ or e}); {'pull' if names else 'return'} something picklable"
+                )
+            else:
+                failure = dict(value, exc=None)
+            self.send("reply", {"status": "error", "value": failure}, parent)
+
+    def reply_many(self, items: list[tuple[str, Any]]) -> None:
+        """Send several ok replies, ``(call id, value)``, in one ``replies``
+        message, after every output written so far (thread-safe)."""
+        if self.capture is not None:
+            self.capture.drain()
+        self.send("replies", items)
+
+    def describe_failure(self, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
+        """A picklable description of exception ``e`` (see errors.RemoteFailure)."""
+        tb = e.__traceback__
+        # drop this module's own frames from the top of the traceback
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        if isinstance(e, KeyboardInterrupt):  # maybe raised in a paused pdb: hide its frames
+            from monarch_kernel.debug.server import cut_debugger_frames
+
+            tb = cut_debugger_frames(tb)
+            if not e.args:
+                e.args = ("interrupted",)
+        text = ""
+        if with_traceback:
+            # this module's frames (e.g. the SIGINT handler that raised) are not the user's
+            frames = [f for f in traceback.extract_tb(tb) if f.filename != __file__]
+            if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
+                frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
+            only = (e.format_exception_only() if isinstance(e, RemoteError)
+                    else traceback.format_exception_only(type(e), e))
+            text = "".join(["Traceback (most recent call last):\n",
+                            *traceback.format_list(frames), *only]) if frames else "".join(only)
+        inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
+        if text and inner:  # it came from other ranks: show where it was raised too
+            for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
+                who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
+                text += (f"\n{'which came from' if i == 0 else 'and from'} "
+                         f"{_ranks_label(getattr(part, 'ranks', []))}{who}:\n"
+                         + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
+        exc: BaseException | None = e
+        try:
+            from monarch_kernel.wire import serialize
+
+            serialize.dumps(e)
+        except SerializationError:
+            exc = None
+        e.__traceback__ = None
+        return {
+            "type": _type_name(e),
+            "message": str(e),
+            "traceback": text,
+            "exc": exc,
+        }
+
+    # ------------------------------------------------------------- requests
+    def _do_execute(self, content: dict[str, Any]) -> Any:
+        self.cell_count += 1
+        filename = content.get("filename") or f"<mesh-cell-{self.cell_count}>"
+        for name, lines in (content.get("sources") or {}).items():
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+        return self.run_cell(content["code"], filename)
+
+    def run_cell(self, code: str, filename: str) -> Any:
+        """Run ``code`` in the rank's namespace; return its last expression's value.
+
+        Top-level ``await`` is allowed (run on the worker's event loop).
+        """
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        tree = ast.parse(code, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        value = None
+        if tree.body:
+            self._run_code(compile(tree, filename, "exec", flags=flags))
+        if last is not None:
+            value = self._run_code(compile(last, filename, "eval", flags=flags))
+        return value
+
+    def _run_code(self, co: types.CodeType) -> Any:
+        result = eval(co, self.namespace)
+        if co.co_flags & _CO_COROUTINE:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            result = self.loop.run_until_complete(result)
+        return result
+
+    def _do_push(self, content: dict[str, Any]) -> None:
+        self.namespace.update(content)
+
+    def _do_pull(self, content: dict[str, Any]) -> list[Any]:
+        out = []
+        for name in content["names"]:
+            if name not in self.namespace:
+                raise NameError(f"name {name!r} is not defined")
+            out.append(self.namespace[name])
+        return out
+
+    def _do_setup(self, content: dict[str, Any]) -> None:
+        init_rank(self, content)  # torch.distributed (dist_setup)
+
+    def _do_stop(self, content: Any) -> None:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    def _do_spawn_actor(self, content: dict[str, Any]) -> Any:
+        from monarch_kernel.actor import actor_mesh as actor
+
+        return actor.spawn_local(self, content)  # {"peer": this worker's actor address}
+
+    def _do_stop_actor(self, content: dict[str, Any]) -> None:
+        from monarch_kernel.actor import actor_mesh as actor
+
+        actor.stop_local(self, content["name"])
+
+    def _do_ref(self, content: dict[str, Any]) -> Any:
+        from monarch_kernel.tensors import store as tensor_store
+
+        return tensor_store.handle(self, content)  # values kept for handles (tensors.py)
+
+    def shutdown(self) -> None:
+        """Flush what is queued and close the connection."""
+        if self.capture is not None:
+            self.capture.drain()
+        self.stopping.set()
+        self.io_thread.join(timeout=2)
+        if self.lane is not None:
+            self.lane.drain(2.0)  # let the last reply leave
+            self.lane.close()
+        if self.up is not None:
+            with self._up_lock:
+                self.up.close(linger=2000)  # let the last reply leave
+
+
+def _type_name(obj: Any) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    mod = t.__module__
+    return t.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{t.__qualname__}"
+
+
+def _unsendable(value: Any, names: list[str] | None = None) -> str:
+    """Which part of ``value`` cannot be pickled, in words ("the result is a generator")."""
+    if isinstance(value, (list, tuple)):
+        from monarch_kernel.wire import serialize
+
+        for i, item in enumerate(value):
+            try:
+                serialize.dumps(item)
+            except SerializationError:
+                if names is not None and i < len(names):
+                    return f"{names[i]!r} is a {_type_name(item)}"
+                return (f"the result is a {_type_name(value)} whose item {i} is a "
+                        f"{_type_name(item)}")
+    return f"the result is a {_type_name(value)}"
+
+
+def _sigint(signum: int, frame: Any) -> None:
+    w = current
+    if w is not None and not w.busy:
+        return  # idle: nothing to interrupt
+    raise KeyboardInterrupt
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (a restart, a launcher's stop): remove this process's shared-memory
+    files (the pools of replies and of RDMABuffer reads), then die of the signal."""
+    from monarch_kernel.wire import shm
+
+    try:
+        shm.cleanup()  # (takes no lock: the interrupted code may hold shm's)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m monarch_kernel.worker.worker``.
+
+    The mesh key is read from the environment variable ``MONARCH_MESH_KEY``
+    (hex) and removed from the environment before any user code runs.
+    """
+    global current
+    p = argparse.ArgumentParser(prog="python -m monarch_kernel.worker.worker")
+    p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--shape", default="", help='e.g. "hosts=1,procs=4"')
+    p.add_argument("--controller-pid", type=int, default=None)
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
+    p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
+    p.add_argument("--controller-down", default=None,
+                   help="tcp://host:port the controller sends on (a second connection)")
+    p.add_argument("--curve-server-key", default=None,
+                   help="the controller's CurveZMQ public key (Z85): encrypt the connection")
+    p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,
+                   help="seconds between telemetry samples; 0 turns telemetry off")
+    p.add_argument("--max-header", type=int, default=protocol.DEFAULT_MAX_HEADER,
+                   help="bytes: larger header+payload of a message is dropped (default 64 MiB)")
+    p.add_argument("--max-buffers", type=int, default=protocol.DEFAULT_MAX_BUFFERS,
+                   help="bytes: larger out-of-band buffers of a message are dropped (1 GiB)")
+    args = p.parse_args(argv)
+    key_hex = os.environ.pop("MONARCH_MESH_KEY", "")
+    if not key_hex:
+        p.error("MONARCH_MESH_KEY is not set; workers are started by a launcher")
+    shape = {}
+    for part in filter(None, args.shape.split(",")):
+        name, _, size = part.partition("=")
+        shape[name] = int(size)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[monarch worker {args.rank}] %(levelname)s %(message)s"
+    )
+    batch_scheduling()  # (before any thread starts: they inherit the policy)
+    w = Worker(
+        args.controller,
+        bytes.fromhex(key_hex),
+        args.rank,
+        args.world_size,
+        shape or {"procs": args.world_size},
+        controller_pid=args.controller_pid,
+        heartbeat=args.heartbeat,
+        heartbeat_timeout=args.heartbeat_timeout,
+        curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
+        down_address=args.controller_down,
+        lane_fd=int(lane) if (lane := os.environ.pop("MONARCH_LANE_FD", "")) else None,
+    )
+    w.telemetry_interval = args.telemetry_interval
+    w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers
+    current = w
+    sys.modules["__main__"] = w.module
+    from monarch_kernel.debug import server as debug_server
+
+    debug_server.install(w)  # breakpoint() / pdb.set_trace() prompt in the notebook
+    fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
+    log_fd = os.environ.pop("MONARCH_LOG_FD", "")
+    passive = os.environ.pop("MONARCH_OUTPUT_PIPES", "") == "controller"
+    read_fds = tuple(int(x) for x in fds.split(",")) if fds else None
+    w.capture = FdCapture(w._on_output, read_fds=read_fds,  # type: ignore[arg-type]
+                          log_fd=int(log_fd) if log_fd else None, passive=passive)
+    logging.getLogger().handlers[0].setStream(w.capture.log_stream())
+    signal.signal(signal.SIGINT, _sigint)
+    signal.signal(signal.SIGTERM, _sigterm)
+    from monarch_kernel.worker import display
+
+    display.install()
+    code = w.serve()
+    w.shutdown()
+    _exit(code)
+
+
+if __name__ == "__main__":
+    # run the package's copy of this module, so `monarch_kernel.worker.worker.current` is the one set
+    from monarch_kernel.worker.worker import main as _main
+
+    sys.exit(_main())
