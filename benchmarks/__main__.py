@@ -21,12 +21,12 @@ from typing import Any
 
 from monarch_kernel.util.switches import lanes_enabled, sched_batch_enabled
 
-from tests import actor_peers
-from tests import bare_echo
-from tests import ours
-from tests import paired
-from tests import peers
-from tests import raw_zmq
+from benchmarks import actor_peers
+from benchmarks import bare_echo
+from benchmarks import ours
+from benchmarks import paired
+from benchmarks import peers
+from benchmarks import raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "peer_call_p50_us", "calls_per_s",
            "tensor_gbps", "p2p_gbps", "rdma_gbps", "spawn_s"]
@@ -100,7 +100,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                                                    / cell["ipyparallel_px"])
     result["cell_p50_us"] = cell
     print("[bench] telemetry overhead", file=sys.stderr, flush=True)
-    from tests import telemetry_overhead
+    from benchmarks import telemetry_overhead
 
     tel = telemetry_overhead.measure(seconds=6 if quick else 20, ranks=2)
     result["telemetry_cpu_pct"] = tel.get("sampler_pct_of_core")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(_REAPED) != "1" and sys.platform.startswith("linux"):
         # run as the child of a subreaper, so that whatever the peers start (ipyparallel
         # engines, Ray's daemons, kernels) ends with the run, even a run killed outright
-        from tests.reaper import run_reaped
+        from benchmarks.reaper import run_reaped
 
         return run_reaped([sys.executable, "-m", "benchmarks", *argv],
                           env={**os.environ, _REAPED: "1"})

@@ -35,9 +35,9 @@ from typing import Any
 
 from monarch_kernel.mesh.procmesh import spawn_procs
 
-from tests.ours import Bench
-from tests.raw_zmq import RawMesh
-from tests.stats import latencies_us, p50, p99
+from benchmarks.ours import Bench
+from benchmarks.raw_zmq import RawMesh
+from benchmarks.stats import latencies_us, p50, p99
 
 #: seconds of idleness before each call of ``call_idle_p50_us``
 IDLE_S = 0.0015

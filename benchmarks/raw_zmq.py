@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tests.stats import fanout_p50_us, latencies_us, p50, p99
+from benchmarks.stats import fanout_p50_us, latencies_us, p50, p99
 
 MiB = 1 << 20
 
