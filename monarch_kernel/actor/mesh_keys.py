@@ -2,7 +2,7 @@
 call each other worker to worker (PyTorch Monarch's generators on one process
 mesh calling trainers on another).
 
-Each mesh signs its messages with a random key of its own (issue 9), and a
+Each mesh signs its messages with a random key of its own, and a
 worker can sign a call for another mesh's actor only with that mesh's key.
 The meshes that one process controls (a kernel's, a script's) are introduced
 to each other here, in signed ``keys`` control messages:

@@ -216,8 +216,8 @@ def _release(o: _Op) -> None:
 
 class _Deadlines:
     """One thread that runs callbacks when their deadlines pass (a
-    ``threading.Timer`` per operation would start a thread each time: about
-    0.1 ms, as much as a small read). Operations that finish first cancel
+    ``threading.Timer`` per operation would start a thread each time, as
+    costly as a small read). Operations that finish first cancel
     theirs; cancelled entries are dropped when they come up, or all at once
     when they are most of the heap."""
 

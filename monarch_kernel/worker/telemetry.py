@@ -34,10 +34,10 @@ A record (the message content) is a plain dict:
 ==================  ===========================================================
 
 Cost. Everything but USS comes from ``/proc/<pid>/stat`` and ``status``
-(through psutil, ~50 us a sample). USS needs ``/proc/<pid>/smaps_rollup``,
-which walks the page tables: ~2.5-4 ms for a process that imported torch, so
-it is read only every ``uss_every`` (10) seconds, whatever the interval. NVML calls take tens of
-microseconds. torch is never imported here: its CUDA figures are read only
+(through psutil, cheap). USS needs ``/proc/<pid>/smaps_rollup``, which
+walks the page tables (far costlier, the more so for a process that imported
+torch), so it is read only every ``uss_every`` (10) seconds, whatever the
+interval. torch is never imported here: its CUDA figures are read only
 when the worker's own code already imported torch and initialized CUDA.
 
 GPU paths are guarded: no NVML library, no driver or no device simply gives
