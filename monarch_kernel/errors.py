@@ -144,7 +144,7 @@ class RemoteError(MonarchError):
 
     def __str__(self) -> str:
         base = self._remote_message()
-        label = f"{_ranks_label(getattr(self, 'ranks', []))}: "
+        label = f"{ranks_label(getattr(self, 'ranks', []))}: "
         # an error let through the rank it came from (another actor of that rank, or
         # a wait cycle's way back) is labelled once: "rank 1: rank 1: x" reads "rank 1: x"
         return base if base.startswith(label) else label + base
@@ -197,7 +197,7 @@ class RemoteError(MonarchError):
 
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""
-        head = f"{_ranks_label(self.ranks)}"
+        head = f"{ranks_label(self.ranks)}"
         if self.actor:
             head += f" (actor {self.actor})"
         lines = [f"\x1b[1;31m{head} raised {self.remote_type}\x1b[0m"]
@@ -237,10 +237,6 @@ def compact_ranks(ranks: list[int]) -> str:
         out.append(str(rs[i]) if i == j else f"{rs[i]}:{rs[j] + 1}")
         i = j + 1
     return ",".join(out)
-
-
-# (the names worker.worker imported before they were public)
-_ranks_label, _compact = ranks_label, compact_ranks
 
 
 _subclass_cache: dict[tuple[type, type], type] = {}

@@ -60,7 +60,7 @@ def cell_console(magics: Any, m: ProcMesh, req: Request, printer: RankPrinter) -
     input_fn, allow = stdin_bridge(magics.kernel)
     return DebugConsole(
         registry_for(m.controller), m, input_fn, _out, allow_stdin=allow, req=req,
-        on_event=lambda ev: magics._event(ev, printer), flush=printer.flush_lines, warn=_err,
+        on_event=lambda ev: magics.show_event(ev, printer), flush=printer.flush_lines, warn=_err,
     )
 
 
@@ -150,7 +150,7 @@ def debug_command(magics: Any, argv: list[str]) -> None:
                          f"has ranks 0 to {m.world_size - 1}")
     req = m.root.request("execute", {"code": POST_MORTEM_CODE, "filename": "<mesh-debug>"},
                          [rank])
-    magics._wait(m, req, None)
+    magics.wait_cell(m, req, None)
     report_quits(req, _err)
     status, value = req.replies.get(rank, ("ok", None))
     if status == "error" and "no uncaught exception" in str(value.get("message", "")):

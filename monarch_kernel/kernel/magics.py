@@ -387,14 +387,14 @@ class MeshMagics(Magics):
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
         bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
-        self._wait(m, req, a.timeout)
+        self.wait_cell(m, req, a.timeout)
         report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
             return None
         return vm
 
-    def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
+    def wait_cell(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
         self._progress_cell = getattr(self, "_progress_cell", 0) + 1
         printer = RankPrinter(write_stream, on_progress=self._progress)
@@ -454,12 +454,14 @@ class MeshMagics(Magics):
                 if interrupted is not None and now - interrupted > 5.0:
                     raise KeyboardInterrupt  # escalate
                 continue
-            self._event(ev, printer)
+            self.show_event(ev, printer)
             if time.monotonic() - last_flush > 0.1:
                 printer.flush_lines()
                 last_flush = time.monotonic()
 
-    def _event(self, ev: tuple, printer: RankPrinter) -> None:
+    def show_event(self, ev: tuple, printer: RankPrinter) -> None:
+        """Show one event of a running cell (``Request.next_event``): rank output through
+        ``printer``, displays in the notebook; a paused rank is served by the console."""
         kind = ev[0]
         if kind == "done":
             return
