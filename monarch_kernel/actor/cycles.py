@@ -63,6 +63,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.actor import peers as actor_peers
+from monarch_kernel.actor.context import current_actor
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import WATCH_AFTER_S  # an actor's thread tells a call's ranks after that long
 
@@ -172,9 +174,18 @@ def on_notice(worker: Any, content: Any) -> None:
         log.exception("rank %s: a wait notice could not be handled", worker.rank)
         return
     if err is not None:
-        from monarch_kernel.actor.host import _answer, _failure  # (that module imports this one)
+        actor_peers.answer(worker, t.mid, t.c, t.route, "error",
+                           actor_peers.failure_of(worker, err, False))
 
-        _answer(worker, t.mid, t.c, t.route, "error", _failure(worker, err, False))
+
+def _on_event(host: Any, msg: Any) -> None:
+    """A peer ``event`` message: a wait notice (an actor waits for a call) is
+    checked for wait cycles; other events are dropped."""
+    if isinstance(msg.content, dict) and msg.content.get("kind") == "wait":
+        on_notice(host.worker, msg.content)
+
+
+actor_peers.register_handler("event", _on_event)
 
 
 def _serving(inst: Any) -> tuple[str, str] | None:
@@ -324,9 +335,7 @@ def _resend(inst: Any) -> None:
 
 
 def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
-    from monarch_kernel.actor import peers as actor_peers
-
-    host = actor_peers._host
+    host = actor_peers.current_host()
     if host is None:
         return
     try:  # (signed with the key of the callee's mesh, as the call was)
@@ -352,9 +361,7 @@ def call_guard(uid: str, name: str, ranks: list[int], req: Any,
     """
 
     def guard() -> Callable[[bool], None] | None:
-        from monarch_kernel.actor.host import context  # (that module imports this one)
-
-        inst = getattr(context, "actor", None)  # the waiting thread's actor
+        inst = current_actor()  # the waiting thread's actor
         if inst is None:
             return None
         if inst.uid == uid and inst.point.rank in ranks:

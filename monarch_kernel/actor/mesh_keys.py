@@ -38,12 +38,29 @@ import threading
 import weakref
 from typing import Any
 
+from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.transport.sockets import is_loopback
+
 log = logging.getLogger("monarch_kernel.actor.mesh_keys")
 
-__all__ = ["check_known", "introduce", "pass_down", "register", "ring_for", "unregister"]
+__all__ = ["check_known", "introduce", "note_peers", "pass_down", "peer_address", "register",
+           "ring_for", "unregister"]
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live controllers
 _lock = threading.Lock()
+#: per controller: the peer address of each rank's worker (from actor spawns)
+_peer_addrs: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def note_peers(ctl: Any, peers: dict[int, str]) -> None:
+    """Remember the peer addresses of ranks of ``ctl``'s mesh (an actor spawn's replies)."""
+    _peer_addrs.setdefault(ctl, {}).update(peers)
+
+
+def peer_address(ctl: Any, rank: int) -> str | None:
+    """The peer address of rank ``rank`` of ``ctl``'s mesh (None before an actor
+    was spawned there)."""
+    return _peer_addrs.get(ctl, {}).get(rank)
 
 
 def _current_worker() -> Any:
@@ -65,8 +82,6 @@ def check_known(w: Any, mesh: str | None, what: str) -> None:
     """
     if mesh is None or mesh == w.codec.fingerprint or mesh in getattr(w, "keyring", {}):
         return
-    from monarch_kernel.errors import MeshError, MeshFailure
-
     if mesh in getattr(w, "dropped_keys", ()):
         raise MeshFailure(f"{what} is on a process mesh of this program that was stopped "
                           "(spawn a new one: spawn_procs(...))")
@@ -87,8 +102,6 @@ def _others(ctl: Any) -> list[Any]:
 
 def _secure(ctl: Any) -> bool:
     """Whether keys may travel on ``ctl``'s control channel: encrypted, or loopback."""
-    from monarch_kernel.transport.sockets import is_loopback
-
     if getattr(ctl, "curve_public_key", None) is not None:
         return True
     host = ctl.address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
@@ -182,8 +195,6 @@ def _tell(ctl: Any, content: dict[str, Any], type: str = "keys") -> None:
 
 
 def _pass_on_death(ctl: Any, rank: int, failure: Any) -> None:
-    from monarch_kernel.actor.spawn import peer_address
-
     addr = peer_address(ctl, rank)
     if addr is None:  # (no actor ever ran there: no other mesh can be waiting on it)
         return

@@ -9,7 +9,6 @@ says what to do, and the kernel stays usable.
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import signal
 import sys
@@ -23,60 +22,21 @@ from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.io import spin_seconds
 from monarch_kernel.debug.console import report_quits
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, _ranks_label
+from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, ranks_label
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 from monarch_kernel.kernel.debug_bridge import cell_console, debug_command  # also serves paused actor calls
+from monarch_kernel.kernel.usage import USAGE, magic_parser, usage_of
+from monarch_kernel.tensors.handles import Ref, bind_refs, show
+from monarch_kernel.ui.status import StatusTable
 
 __all__ = ["MeshMagics"]
 
 #: ranks a local mesh may have (more is almost surely a typo)
 MAX_LOCAL_RANKS = 1024
-
-USAGE = """\
-%mesh spawn N|HxP [--dist gloo|nccl|none] [--launcher local|slurm] [--bind ADDR] [--name mesh]
-    [--restart never|on-failure] [--max-restarts K] [--heartbeat S] [--telemetry-interval S]
-    Slurm: [--partition P] [--time T] [--account A] [--gpus-per-node G] [--nodes N] [--sbatch ARGS]
-%%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
-%mesh push NAME [NAME ...]                   copy notebook variables to every rank
-x = %mesh pull NAME                          a ValueMesh of NAME from every rank
-r = %mesh ref NAME                           a handle to NAME; the values stay on the ranks
-%mesh show REF|NAME [--values K]             per rank: type, shape, dtype, device, K values
-%mesh status                                 rank, host, pid, state, cpu, memory, gpu
-%mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
-%mesh restart RANKS                          replace ranks (3, 1,2, 0:4, all) with fresh processes
-%mesh debug [--wait S] [--post-mortem RANK]  console for paused ranks (breakpoint() on ranks)
-%mesh use NAME                               make mesh NAME (spawn --name, or a variable
-                                             holding a spawn_procs mesh) the current one
-%mesh stop [--all]                           stop the current mesh's workers (--all: every mesh)"""
-
-
-def _usage_of(name: str) -> str:
-    """The usage line of one command (``"%mesh spawn"``, ``"%%mesh"``), without its help."""
-    for line in USAGE.splitlines():
-        head = re.split(r"\s{2,}", line.strip())[0]
-        if head.startswith(f"{name} ") or head == name or f"= {name} " in head:
-            return head
-    return "see  %mesh help"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        cmd = self.prog.split()[-1]
-        name = cmd if cmd.startswith("%") else f"%mesh {cmd}"
-        raise UsageError(f"{name}: {message}. Usage: {_usage_of(name)}")
-
-    def exit(self, status: int = 0, message: str | None = None) -> Any:
-        raise UsageError(message or USAGE)
-
-
-def _parser(name: str) -> _Parser:
-    # exit_on_error stays True: bad values (type=float, choices) then reach error() above
-    return _Parser(prog=f"%mesh {name}", add_help=False)
-
 
 def parse_shape(text: str) -> dict[str, int]:
     """``"4"`` -> ``{"hosts": 1, "procs": 4}``; ``"2x4"`` -> ``{"hosts": 2, "procs": 4}``.
@@ -203,7 +163,7 @@ class MeshMagics(Magics):
 
     # ------------------------------------------------------------ commands
     def _cmd_spawn(self, argv: list[str]) -> ProcMesh:
-        p = _parser("spawn")
+        p = magic_parser("spawn")
         p.add_argument("size")
         p.add_argument("--dist", choices=["gloo", "nccl", "none"], default="none")
         p.add_argument("--launcher", default="local")
@@ -258,7 +218,7 @@ class MeshMagics(Magics):
         return None
 
     def _cmd_stop(self, argv: list[str]) -> None:
-        p = _parser("stop")
+        p = magic_parser("stop")
         p.add_argument("--all", action="store_true")
         a = p.parse_args(argv)
         if a.all:
@@ -271,7 +231,7 @@ class MeshMagics(Magics):
         self.meshes.pop(self.current or "", None)
 
     def _cmd_use(self, argv: list[str]) -> None:
-        p = _parser("use")
+        p = magic_parser("use")
         p.add_argument("name")
         a = p.parse_args(argv)
         m = self.meshes.get(a.name)
@@ -308,7 +268,7 @@ class MeshMagics(Magics):
         return value
 
     def _cmd_restart(self, argv: list[str]) -> None:
-        p = _parser("restart")
+        p = magic_parser("restart")
         p.add_argument("ranks", help="a rank spec: 3, 1,2, 0:4 or all")
         p.add_argument("--timeout", type=float, default=120.0)
         a = p.parse_args(argv)
@@ -367,14 +327,12 @@ class MeshMagics(Magics):
                              "(in a %%mesh cell)") from None
 
     def _cmd_show(self, argv: list[str]) -> Any:
-        p = _parser("show")
+        p = magic_parser("show")
         p.add_argument("target")
         p.add_argument("--values", type=int, default=6)
         a = p.parse_args(argv)
         if a.values < 0:
             raise UsageError("%mesh show: --values must be 0 or more")
-        from monarch_kernel.tensors.handles import Ref, show
-
         target = self.shell.user_ns.get(a.target)
         if not isinstance(target, Ref):
             if not a.target.isidentifier():
@@ -394,13 +352,11 @@ class MeshMagics(Magics):
     def _cmd_status(self, argv: list[str]) -> Any:
         if argv:
             raise UsageError(f"%mesh status: unexpected arguments {' '.join(argv)!r}. "
-                             f"Usage: {_usage_of('%mesh status')}")
-        from monarch_kernel.ui.status import StatusTable
-
+                             f"Usage: {usage_of('%mesh status')}")
         return StatusTable(self.current_mesh(), name=self.current)
 
     def _cmd_dashboard(self, argv: list[str]) -> Any:
-        p = _parser("dashboard")
+        p = magic_parser("dashboard")
         p.add_argument("--interval", type=float, default=1.0)
         p.add_argument("--history", type=float, default=60.0)
         p.add_argument("--layout", choices=["auto", "rows", "heatmap"], default="auto")
@@ -413,7 +369,7 @@ class MeshMagics(Magics):
     # --------------------------------------------------------------- cells
     def _cell(self, line: str, cell: str) -> Any:
         if line.strip():
-            p = _parser("%%mesh")
+            p = magic_parser("%%mesh")
             p.add_argument("--ranks", default=None)
             p.add_argument("--timeout", type=float, default=None)
             try:
@@ -429,18 +385,16 @@ class MeshMagics(Magics):
             raise UsageError(f"%%mesh --ranks: {e}") from None
         if a.timeout is not None and a.timeout <= 0:
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
-        from monarch_kernel.tensors.handles import bind_refs
-
         bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
-        self._wait(m, req, a.timeout)
+        self.wait_cell(m, req, a.timeout)
         report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
             return None
         return vm
 
-    def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
+    def wait_cell(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
         self._progress_cell = getattr(self, "_progress_cell", 0) + 1
         printer = RankPrinter(write_stream, on_progress=self._progress)
@@ -461,10 +415,10 @@ class MeshMagics(Magics):
         printer.close()
         if interrupted is not None:
             if killed:
-                print(f"{_ranks_label(killed)} ignored the interrupt and "
+                print(f"{ranks_label(killed)} ignored the interrupt and "
                       f"{'was' if len(killed) == 1 else 'were'} killed", file=sys.stderr)
             if reason != "interrupted":
-                print(f"%%mesh {reason}; {_ranks_label(req.ranks)} "
+                print(f"%%mesh {reason}; {ranks_label(req.ranks)} "
                       f"{'was' if len(req.ranks) == 1 else 'were'} interrupted", file=sys.stderr)
 
     def _interrupt(self, m: ProcMesh, req: Request, first: float | None, killed: list[int],
@@ -500,12 +454,14 @@ class MeshMagics(Magics):
                 if interrupted is not None and now - interrupted > 5.0:
                     raise KeyboardInterrupt  # escalate
                 continue
-            self._event(ev, printer)
+            self.show_event(ev, printer)
             if time.monotonic() - last_flush > 0.1:
                 printer.flush_lines()
                 last_flush = time.monotonic()
 
-    def _event(self, ev: tuple, printer: RankPrinter) -> None:
+    def show_event(self, ev: tuple, printer: RankPrinter) -> None:
+        """Show one event of a running cell (``Request.next_event``): rank output through
+        ``printer``, displays in the notebook; a paused rank is served by the console."""
         kind = ev[0]
         if kind == "done":
             return

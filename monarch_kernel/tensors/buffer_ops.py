@@ -30,10 +30,12 @@ import time
 from typing import Any
 
 from monarch_kernel.wire import shm as _shm
-from monarch_kernel.actor.peers import _addr_host
-from monarch_kernel.tensors.buffer import _byte_view, _copy, _is_cuda, _lookup, _nbytes, unregister
+from monarch_kernel.actor import peers as actor_peers
+from monarch_kernel.actor.peers import address_host, peer_host
+from monarch_kernel.tensors.memory import byte_view, copy_bytes, is_cuda, lookup, nbytes, unregister
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future
+from monarch_kernel.wire.serialize import release_ipc_reference
 
 log = logging.getLogger("monarch_kernel.tensors.buffer")
 
@@ -47,7 +49,7 @@ _ipc_refused = False
 
 
 def _route(host: Any, buf: Any) -> str:
-    same = _addr_host(host.address) == _addr_host(buf._address)
+    same = address_host(host.address) == address_host(buf._address)
     if same and buf._device.startswith("cuda") and not _ipc_refused:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
@@ -65,7 +67,7 @@ class _Op:
 
     def __init__(self, buf: Any, op: str, view: Any, route: str) -> None:
         self.buf, self.op, self.view, self.route = buf, op, view, route
-        self.n = _nbytes(view) if view is not None else 0
+        self.n = nbytes(view) if view is not None else 0
         self.future: Future[Any] = Future()
         self.lease: tuple[str, Any] | None = None
         self.deadline: list[Any] | None = None  # its entry in _deadlines
@@ -78,8 +80,6 @@ class _Op:
 def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> Future[Any]:
     """Send operation ``op`` of ``buf`` to its owner (see the module docstring);
     the returned future completes when the reply has been acted on."""
-    from monarch_kernel.actor.peers import peer_host
-
     host = peer_host(worker)
     o = _Op(buf, op, view, _route(host, buf) if op != "drop" else "band")
     if timeout is not None:
@@ -106,7 +106,7 @@ def _send(host: Any, o: _Op) -> None:
                     import numpy as np
 
                     dst = np.frombuffer(o.lease[1], np.uint8, count=o.n)
-                    _copy(dst, o.view)
+                    copy_bytes(dst, o.view)
                     del dst
         if o.route == "band" and o.op != "drop" and o.n > host.codec.max_buffers:
             raise ValueError(
@@ -127,7 +127,7 @@ def _send(host: Any, o: _Op) -> None:
 
 def _to_numpy(view: Any) -> Any:
     if hasattr(view, "numel"):  # a torch uint8 view
-        return view.cpu().numpy() if _is_cuda(view) else view.numpy()
+        return view.cpu().numpy() if is_cuda(view) else view.numpy()
     return view
 
 
@@ -142,9 +142,7 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
         if o.route == "ipc" and req.failure is None and o.op != "drop":
             status, value = req.replies.get(o.buf._rank, ("error", None))
             if status == "ok" and value is not None:  # a handle never opened: let it go
-                from monarch_kernel.wire.serialize import _release_ipc_reference
-
-                _release_ipc_reference(value)
+                release_ipc_reference(value)
         _release(o)
         return
     rank = o.buf._rank
@@ -172,10 +170,10 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
 
                 assert o.lease is not None
                 src = np.frombuffer(o.lease[1], np.uint8, count=o.n)
-                _copy(o.view, src)
+                copy_bytes(o.view, src)
                 del src
             else:
-                _copy(o.view, value)
+                copy_bytes(o.view, value)
         elif o.op == "write" and o.route == "ipc":
             _ipc_copy(o, value)
     except BaseException as e:  # noqa: BLE001 - reported through the future
@@ -190,9 +188,9 @@ def _ipc_copy(o: _Op, args: tuple) -> None:
     alias = rebuild_cuda_tensor(*args)  # the owner's bytes, mapped into this process
     try:
         if o.op == "read":
-            _copy(o.view, alias[: o.n])
+            copy_bytes(o.view, alias[: o.n])
         else:
-            _copy(alias[: o.n], o.view)
+            copy_bytes(alias[: o.n], o.view)
     finally:
         del alias
 
@@ -337,12 +335,12 @@ def _serve(c: dict[str, Any], rank: int) -> Any:
         return None
     if op not in ("read", "write"):
         raise ValueError(f"unknown buffer operation {op!r}")
-    reg = _lookup(c["id"], rank)[1]
+    reg = lookup(c["id"], rank)[1]
     n = int(c["n"])
-    if not 0 <= n <= _nbytes(reg):
-        raise ValueError(f"{n} bytes asked of a buffer of {_nbytes(reg)}")
+    if not 0 <= n <= nbytes(reg):
+        raise ValueError(f"{n} bytes asked of a buffer of {nbytes(reg)}")
     if route == "ipc":
-        if not _is_cuda(reg):
+        if not is_cuda(reg):
             raise ValueError("CUDA IPC asked for a buffer that is not on a GPU")
         try:
             from torch.multiprocessing.reductions import reduce_tensor
@@ -356,17 +354,20 @@ def _serve(c: dict[str, Any], rank: int) -> Any:
         mm = _shm.map_writable(c["shm"], n)
         view = np.frombuffer(mm, np.uint8, count=n)
         try:
-            _copy(view, reg[:n]) if op == "read" else _copy(reg[:n], view)
+            copy_bytes(view, reg[:n]) if op == "read" else copy_bytes(reg[:n], view)
         finally:
             del view
         return None
     if op == "read":
         return _to_numpy(reg[:n])
-    data = _byte_view(c["data"], "data", writable=False)
-    if _nbytes(data) != n:
-        raise ValueError(f"write of {n} bytes carried {_nbytes(data)}")
-    _copy(reg[:n], data)
+    data = byte_view(c["data"], "data", writable=False)
+    if nbytes(data) != n:
+        raise ValueError(f"write of {n} bytes carried {nbytes(data)}")
+    copy_bytes(reg[:n], data)
     return None
 
 
 __all__ = ["serve", "start"]
+
+
+actor_peers.register_handler("buffer", serve)  # an RDMABuffer operation: answered right here

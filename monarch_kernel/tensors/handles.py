@@ -41,11 +41,15 @@ import threading
 import weakref
 from typing import Any
 
+from monarch_kernel.actor.actor_mesh import on_a_rank
+from monarch_kernel.actor.adverbs import set_rref
+from monarch_kernel.actor.replies import raise_failures
+from monarch_kernel.actor.rref import note_pickled
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.mesh.shape import Shape, ValueMesh
-from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, note_pickled, resolve
+from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, resolve, set_controller_rebuild
 
-__all__ = ["Ref", "RefTable", "bind_refs", "ref_of", "rref_call", "show"]
+__all__ = ["Ref", "RefTable", "bind_refs", "rebuild_local", "ref_of", "rref_call", "show"]
 
 _entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
 
@@ -116,7 +120,7 @@ def _start_free_thread() -> None:
             _free_thread.start()
 
 
-def _rebuild_local(id: str, label: str) -> Ref:
+def rebuild_local(id: str, label: str) -> Ref:
     """A handle unpickled on the controller (a copy): the same values."""
     entry = _entries.get(id)
     if entry is None or entry.freed:
@@ -458,9 +462,7 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
     (``Endpoint.rref``)."""
     mesh = ep._mesh
     rec = mesh._record
-    from monarch_kernel.actor.actor_mesh import _current_worker, _raise_failures
-
-    if rec.procmesh is None or _current_worker() is not None:
+    if rec.procmesh is None or on_a_rank():
         raise RuntimeError("rref() makes handles for the controller; call it from the "
                            "controller that spawned the actors")
 
@@ -468,7 +470,7 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
     name = mesh.name
 
     def finish(req: Any) -> None:
-        _raise_failures(req, name)
+        raise_failures(req, name)
 
     try:
         mesh._future(mesh.shape.ranks, ep._name, args, kwargs, finish, keep=entry.id).get()
@@ -478,7 +480,12 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
     return Ref(entry, mesh.shape)
 
 
+set_rref(rref_call)  # Endpoint.rref
+set_controller_rebuild(rebuild_local)  # a handle unpickled on its controller: a handle
+
+
 # ------------------------------------------------------------------ cells
+
 def _names_in(code: str) -> set[str]:
     try:
         tree = ast.parse(code)

@@ -39,6 +39,7 @@ from typing import Any
 import cloudpickle
 
 from monarch_kernel.errors import SerializationError
+from monarch_kernel.util import gpu
 
 __all__ = ["PROTOCOL", "Packed", "dumps", "loads"]
 
@@ -82,8 +83,6 @@ def _target_device(torch: Any, device: str) -> str:
             f"received a tensor that lived on {device!r}, but this process has no such "
             "device; move it to the CPU first (tensor.cpu()) if that is what you want"
         )
-    from monarch_kernel.util import gpu
-
     index = gpu.assigned()  # a rank with its own GPU (--dist nccl): there
     if index is None:
         index = int(device.split(":")[1]) if ":" in device else 0
@@ -114,7 +113,7 @@ def _rebuild_cuda_ipc(args: tuple, device: str, requires_grad: bool):
     try:
         target = _target_device(torch, device)
     except SerializationError:  # no GPU here: still let the sender free its block
-        _release_ipc_reference(args)
+        release_ipc_reference(args)
         raise
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -145,7 +144,7 @@ _NUMPY_DTYPES: set[str] = {
 }
 
 
-def _release_ipc_reference(args: tuple) -> None:
+def release_ipc_reference(args: tuple) -> None:
     """Give back the reference a CUDA IPC handle holds on the sender's memory
     without opening it (as ``rebuild_cuda_tensor`` does for a cached handle);
     best effort: only the shared reference-count file is touched."""

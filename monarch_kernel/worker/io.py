@@ -55,7 +55,7 @@ def _peer_lead() -> bool:
         return False
 
 
-def _exit(code: int) -> None:
+def exit_process(code: int) -> None:
     """Leave the process now (no atexit handlers), removing its shared-memory files."""
     from monarch_kernel.wire import shm
 
@@ -103,7 +103,7 @@ class WorkerIO:
                             self._leader = None
         except BaseException:  # without this thread the rank is deaf: leave, loudly
             log.exception("rank %d: the I/O thread failed; exiting", self.rank)
-            _exit(1)
+            exit_process(1)
         finally:
             with self._lead:
                 if isinstance(self._poller, FdPoller):
@@ -255,7 +255,7 @@ class WorkerIO:
         if self.lane is not None and self.lane.eof and not self.stopping.is_set():
             log.warning("rank %d: the controller closed its lane (it is gone); exiting",
                         self.rank)
-            _exit(0)
+            exit_process(0)
         now = time.monotonic()
         if now - self._last_sent >= self.heartbeat:
             self._last_sent = now
@@ -266,13 +266,13 @@ class WorkerIO:
                 send_frames(self.dealer, beat)
             if not self._controller_alive():
                 log.warning("rank %d: the controller process is gone; exiting", self.rank)
-                _exit(0)
+                exit_process(0)
         if now - self._last_heard > self.heartbeat_timeout:
             log.warning(
                 "rank %d: no word from the controller for %.1f s; exiting",
                 self.rank, now - self._last_heard,
             )
-            _exit(0)
+            exit_process(0)
 
     def _controller_alive(self) -> bool:
         if self.controller_pid is None:
