@@ -49,6 +49,7 @@ from monarch_kernel.controller.controller import Request
 from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
 from monarch_kernel.actor.peer_io import PeerIO
 from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
+from monarch_kernel.wire.messages import ACTOR, WAITED, Call, Reply
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -353,14 +354,14 @@ class PeerHost(PeerIO):
                     msg.content.get("kind") == "wait"):  # an actor waits for a call: cycles?
                 actor_cycles.on_notice(self.worker, msg.content)
             return
-        c = msg.content
-        inst = self.worker.actors.get(c["a"])
+        c: Call = msg.content
+        inst = self.worker.actors.get(c[ACTOR])
         if inst is None:
             from monarch_kernel.actor.host import _reject  # (that module imports this one)
 
             _reject(self.worker, msg.id, c, msg.identity)
         else:
-            if "w" in c:  # made by an actor: tracked while queued or running (actor_cycles)
+            if WAITED in c:  # made by an actor: tracked while queued or running (actor_cycles)
                 actor_cycles.track(inst, msg.id, c, msg.identity)
             inst.post(("call", msg.id, c, msg.identity))
 
@@ -378,7 +379,7 @@ class PeerHost(PeerIO):
             req = self.pending.get(msg.parent or "")
             if req is None or not req._reply_pending(rank):
                 return
-            c = msg.content
+            c: Reply = msg.content
             req.replies[rank] = (c["status"], c["value"])
             finished = len(req.replies) >= len(req.ranks)
             if finished:

@@ -28,6 +28,7 @@ from monarch_kernel.actor.host import Packed
 from monarch_kernel.errors import ActorError, RemoteFailure, group_failures, remote_exception
 from monarch_kernel.actor.future import Future
 from monarch_kernel.wire.sources import sources_for
+from monarch_kernel.wire.messages import ActorErrorEvent, RankDead, SpawnActor, StopActor
 
 __all__ = ["spawn_actor_mesh"]
 
@@ -79,8 +80,8 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     _listen(ctl)
     uid = secrets.token_hex(8)
     shape = procmesh.shape
-    content = {"name": name, "uid": uid, "dims": shape.dims, "ranks": shape.ranks,
-               "init": Packed.pack((cls, args, kwargs)), "sources": sources_for([cls])}
+    content = SpawnActor(name=name, uid=uid, dims=shape.dims, ranks=shape.ranks,
+                         init=Packed.pack((cls, args, kwargs)), sources=sources_for([cls]))
     req = ctl.request(shape.ranks, "spawn_actor", content)
     fut: Future[None] = Future(pump=_Output(req))
     req.add_done_callback(lambda q: fut.set_result(None))
@@ -94,7 +95,7 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     if failed:
         built = [r for r, (_, v) in req.replies.items() if "failure" not in v]
         if built:
-            ctl.request(built, "stop_actor", {"name": name}).wait(10)
+            ctl.request(built, "stop_actor", StopActor(name=name)).wait(10)
         groups = group_failures(failed)
         err = remote_exception(groups[0], ActorError)
         if len(groups) > 1:
@@ -145,15 +146,14 @@ def _listen(ctl: Any) -> None:
             live = [r for r, i in c.ranks.items() if i.state not in ("dead", "stopped")]
             addr = _peer_addrs.get(c, {}).get(rank)
             try:
-                c.notify(live, "call", {"sys": "dead", "rank": rank, "addr": addr,
-                                        "reason": str(payload)})
+                c.notify(live, "rank_dead", RankDead(rank=rank, addr=addr, reason=str(payload)))
             except Exception as e:  # noqa: BLE001 - the mesh is closing
                 log.debug("cannot tell the workers that rank %d died: %s", rank, e)
 
     ctl.listeners.append(listener)
 
 
-def _on_broadcast_failure(rank: int, p: dict[str, Any]) -> None:
+def _on_broadcast_failure(rank: int, p: ActorErrorEvent) -> None:
     f = p["failure"]
     err = remote_exception(
         [RemoteFailure(rank, _unpack_exc(f), f["type"], f["message"], f["traceback"],

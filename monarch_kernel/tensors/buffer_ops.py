@@ -10,7 +10,7 @@ takes part. Content::
     {"op": "read" | "write" | "drop", "id": buffer id, "n": bytes,
      "m": "ipc" | "shm" | "band", "shm": file name, "data": array}
 
-``m`` is the route: ``ipc`` asks for a fresh CUDA IPC handle of the
+(:class:`monarch_kernel.wire.messages.Buffer`). ``m`` is the route: ``ipc`` asks for a fresh CUDA IPC handle of the
 owner's tensor (the reader then copies device to device itself); ``shm``
 names a pooled shared-memory file of the reader's, which the owner fills
 (read) or empties (write); ``band`` carries the bytes in the messages
@@ -34,6 +34,7 @@ from monarch_kernel.actor.peers import _addr_host
 from monarch_kernel.tensors.buffer import _byte_view, _copy, _is_cuda, _lookup, _nbytes, unregister
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future
+from monarch_kernel.wire.messages import BUF_NBYTES, BUF_ROUTE, Buffer, Reply
 
 log = logging.getLogger("monarch_kernel.tensors.buffer")
 
@@ -91,7 +92,7 @@ def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> F
 def _send(host: Any, o: _Op) -> None:
     buf = o.buf
     routes[o.route] += 1
-    content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
+    content: Buffer = {"op": o.op, "id": buf._id, BUF_NBYTES: o.n, BUF_ROUTE: o.route}
     try:
         if o.route == "shm" and o.op != "drop":
             try:
@@ -99,7 +100,7 @@ def _send(host: Any, o: _Op) -> None:
             except OSError as e:  # /dev/shm full (a container's is often 64 MiB)
                 log.info("no shared memory for %d bytes (%s): sending them in-band", o.n, e)
             if o.lease is None:  # the pool is full: send the bytes in the messages
-                o.route = content["m"] = "band"
+                o.route = content[BUF_ROUTE] = "band"
             else:
                 content["shm"] = o.lease[0]
                 if o.op == "write":
@@ -301,10 +302,10 @@ def _expire(o: _Op, timeout: float) -> None:
 def serve(host: Any, msg: Any) -> None:
     """Answer a ``buffer`` message (the thread that read it: the owner's peer I/O
     thread, or the thread leading its I/O, :mod:`monarch_kernel.worker.io`)."""
-    c = msg.content
+    c: Buffer = msg.content
     try:
         value = _serve(c, host.rank)
-        reply = {"status": "ok", "value": value}
+        reply: Reply = {"status": "ok", "value": value}
     except _NoIpc as e:
         reply = {"status": "error", "value": {"type": "RuntimeError", "message": str(e),
                                              "code": "noipc"}}
@@ -330,15 +331,15 @@ _ERRORS: dict[str, type[Exception]] = {
     "SerializationError": RuntimeError}
 
 
-def _serve(c: dict[str, Any], rank: int) -> Any:
-    op, route = c["op"], c.get("m")
+def _serve(c: Buffer, rank: int) -> Any:
+    op, route = c["op"], c.get(BUF_ROUTE)
     if op == "drop":
         unregister(c["id"])
         return None
     if op not in ("read", "write"):
         raise ValueError(f"unknown buffer operation {op!r}")
     reg = _lookup(c["id"], rank)[1]
-    n = int(c["n"])
+    n = int(c[BUF_NBYTES])
     if not 0 <= n <= _nbytes(reg):
         raise ValueError(f"{n} bytes asked of a buffer of {_nbytes(reg)}")
     if route == "ipc":

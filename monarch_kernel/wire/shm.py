@@ -19,8 +19,8 @@ itself), so a sender that sends requests keeps a :class:`Pool` of files it
 reuses once a request is answered (``/dev/shm/monarch-p<random>``, each held
 with a shared ``flock`` while its pool lives, so that a process killed
 outright, whose ``atexit`` never ran, leaves files that the next controller
-on the host recognizes as nobody's and removes: :func:`sweep_stale`); the receiver keeps those files mapped
-and copies the bytes out into memory of its own while decoding (one copy
+on the host recognizes as nobody's and removes: :func:`sweep_stale`); the
+receiver keeps those files mapped and copies the bytes out into memory of its own while decoding (one copy
 on each side, no socket, no hashing of the bytes).
 
 That memory of its own is recycled too: the receiver keeps the buffers it
