@@ -49,7 +49,7 @@ from monarch_kernel.controller.controller import Request
 from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
 from monarch_kernel.actor.peer_io import PeerIO
 from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
-from monarch_kernel.wire.messages import ACTOR, WAITED, Call, Reply
+from monarch_kernel.wire.messages import ACTOR, WAITED, Buffer, Call, Reply
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -162,7 +162,7 @@ class PeerHost(PeerIO):
         self._thread.start()
         _hosts.add(self)
 
-    def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
+    def request(self, ranks: list[int], peers: dict[int, str], content: Call | Buffer,
                 oneway: bool, type: str = "call", mesh: str | None = None) -> Request | None:
         """Send a call (or a message of another ``type``: ``buffer``, see
         :mod:`monarch_kernel.tensors.buffer_ops`) to ``ranks`` (any thread of this worker),

@@ -28,7 +28,8 @@ from monarch_kernel.actor.host import Packed
 from monarch_kernel.errors import ActorError, RemoteFailure, group_failures, remote_exception
 from monarch_kernel.actor.future import Future
 from monarch_kernel.wire.sources import sources_for
-from monarch_kernel.wire.messages import ActorErrorEvent, RankDead, SpawnActor, StopActor
+from monarch_kernel.wire.messages import (ActorErrorEvent, Failure, RankDead, SpawnActor,
+                                          StopActor)
 
 __all__ = ["spawn_actor_mesh"]
 
@@ -107,7 +108,7 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     return ActorMesh(rec, shape, peers, endpoints, cls.__qualname__)
 
 
-def _unpack_exc(failure: dict[str, Any]) -> BaseException | None:
+def _unpack_exc(failure: Failure) -> BaseException | None:
     exc = failure.get("exc")
     if isinstance(exc, Packed):
         try:
@@ -153,7 +154,8 @@ def _listen(ctl: Any) -> None:
     ctl.listeners.append(listener)
 
 
-def _on_broadcast_failure(rank: int, p: ActorErrorEvent) -> None:
+def _on_broadcast_failure(rank: int, event: Any) -> None:
+    p: ActorErrorEvent = event
     f = p["failure"]
     err = remote_exception(
         [RemoteFailure(rank, _unpack_exc(f), f["type"], f["message"], f["traceback"],

@@ -10,8 +10,9 @@ takes part. Content::
     {"op": "read" | "write" | "drop", "id": buffer id, "n": bytes,
      "m": "ipc" | "shm" | "band", "shm": file name, "data": array}
 
-(:class:`monarch_kernel.wire.messages.Buffer`). ``m`` is the route: ``ipc`` asks for a fresh CUDA IPC handle of the
-owner's tensor (the reader then copies device to device itself); ``shm``
+(:class:`monarch_kernel.wire.messages.Buffer`). ``m`` is the route: ``ipc``
+asks for a fresh CUDA IPC handle of the owner's tensor (the reader then
+copies device to device itself); ``shm``
 names a pooled shared-memory file of the reader's, which the owner fills
 (read) or empties (write); ``band`` carries the bytes in the messages
 themselves. The reply is ``{"status": "ok" | "error", "value": ...}``.

@@ -239,8 +239,8 @@ class Ref:
         ranks = self.ranks if ranks is None else ranks
         self._check(ranks)
         root = self._entry.root
-        req = root.request("ref", RefRequest(op=op, id=self.id, label=self.label, **content),
-                           ranks)
+        req = root.request("ref", RefRequest(  # (content: the keys of this op's request)
+            op=op, id=self.id, label=self.label, **content), ranks)  # type: ignore[typeddict-item]
         root.collect(req, ranks)
         return {r: req.replies[r][1] for r in ranks}
 

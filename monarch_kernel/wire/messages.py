@@ -362,7 +362,7 @@ class Keys(TypedDict, total=False):
 class Buffer(TypedDict):
     """``buffer``: an RDMABuffer operation (:mod:`monarch_kernel.tensors.buffer_ops`)."""
 
-    op: Literal["read", "write", "drop"]
+    op: str  # read | write | drop
     id: str
     n: int  # bytes
     m: str  # route: ipc | shm | band

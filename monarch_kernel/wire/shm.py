@@ -20,8 +20,9 @@ reuses once a request is answered (``/dev/shm/monarch-p<random>``, each held
 with a shared ``flock`` while its pool lives, so that a process killed
 outright, whose ``atexit`` never ran, leaves files that the next controller
 on the host recognizes as nobody's and removes: :func:`sweep_stale`); the
-receiver keeps those files mapped and copies the bytes out into memory of its own while decoding (one copy
-on each side, no socket, no hashing of the bytes).
+receiver keeps those files mapped and copies the bytes out into memory of
+its own while decoding (one copy on each side, no socket, no hashing of the
+bytes).
 
 That memory of its own is recycled too: the receiver keeps the buffers it
 copied into (:data:`RECV_MAX_BYTES` at most) and copies the next buffer of
