@@ -18,8 +18,8 @@ to each other here, in signed ``keys`` control messages:
   fingerprint: ``PeerHost.fail_rank``);
 * in a worker that spawns meshes of its own (an actor's), its own mesh's key
   and key ring are handed down, and what the worker later learns (keys,
-  drops, deaths) is passed down to them (:func:`pass_down`), so that the
-  child mesh's actors can call up.
+  drops, deaths) is passed down to them (:func:`pass_down`,
+  :func:`pass_down_death`), so that the child mesh's actors can call up.
 
 Keys travel only in signed control messages, and only to meshes whose
 control channel is encrypted (CurveZMQ) or loopback: a mesh spawned beyond
