@@ -20,6 +20,7 @@ are torch's.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ REBUILD_ARGS: tuple[str, ...] = (
 )
 _INDEX = {name: i for i, name in enumerate(REBUILD_ARGS)}
 _checked: list[bool] = []  # [True] once torch's signature was found to match
+_ADVICE = ("Send the tensor with tensor.cpu(), or set MONARCH_CUDA_IPC=0 to stage CUDA "
+           "tensors through host memory")
 
 
 class CudaIpcLayoutError(SerializationError):
@@ -46,8 +49,6 @@ class CudaIpcLayoutError(SerializationError):
 
 
 def _torch_version() -> str:
-    import sys
-
     torch = sys.modules.get("torch")
     return str(getattr(torch, "__version__", "not loaded"))
 
@@ -79,8 +80,7 @@ class CudaIpcArgs:
             raise CudaIpcLayoutError(
                 f"torch {_torch_version()}'s CUDA IPC reduction gave {shape}; "
                 f"monarch_kernel knows the layout of torch 2.x (a tuple of "
-                f"{len(REBUILD_ARGS)}: {', '.join(REBUILD_ARGS)}). Send the tensor with tensor.cpu(), or set "
-                "MONARCH_CUDA_IPC=0 to stage CUDA tensors through host memory")
+                f"{len(REBUILD_ARGS)}: {', '.join(REBUILD_ARGS)}). {_ADVICE}")
         return cls(args)
 
     def field(self, name: str) -> Any:
@@ -127,9 +127,7 @@ def check_torch() -> None:
     if names != REBUILD_ARGS:
         raise CudaIpcLayoutError(
             f"torch {_torch_version()}'s rebuild_cuda_tensor takes ({', '.join(names)}); "
-            f"monarch_kernel knows torch 2.x's ({', '.join(REBUILD_ARGS)}). Send the tensor "
-            "with tensor.cpu(), or set MONARCH_CUDA_IPC=0 to stage CUDA tensors through "
-            "host memory")
+            f"monarch_kernel knows torch 2.x's ({', '.join(REBUILD_ARGS)}). {_ADVICE}")
     _checked.append(True)
 
 
@@ -154,7 +152,7 @@ def reduce(tensor: Any) -> tuple:
         raise CudaIpcLayoutError(
             f"torch {_torch_version()} reduced a CUDA tensor with "
             f"{getattr(fn, '__qualname__', fn)!r}, not rebuild_cuda_tensor (a tensor that "
-            "is not a plain strided CUDA tensor, or another torch version)")
+            f"is not a plain strided CUDA tensor, or another torch version). {_ADVICE}")
     return CudaIpcArgs.of(args).args
 
 

@@ -44,7 +44,7 @@ def test_wait_notice_keys_are_the_schema_keys():
     assert consts | {"kind"} == WaitNotice.__required_keys__
 
 
-def test_named_keys_pickle_as_the_letters():
+def test_named_keys_pickle_as_the_letters() -> None:
     """Senders build with the constants: the bytes are those of the letters."""
     packed = serialize.Packed.pack((1, 2))
     named: Call = {ACTOR: "c", METHOD: "incr", UID: "u1", PAYLOAD: packed, ONEWAY: True}
