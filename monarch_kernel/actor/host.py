@@ -56,6 +56,7 @@ __all__ = [
     "Packed",
     "context",
     "dispatch_call",
+    "dispatch_rank_dead",
     "peer_host",
     "register_sources",
     "spawn_local",
