@@ -127,7 +127,7 @@ class Message:
     sender: str
     _payload: Any = field(repr=False)
     identity: list[bytes] = field(default_factory=list)
-    _buffers: list[Any] = field(default_factory=list, repr=False)
+    _buffers: list[Any] | None = field(default_factory=list, repr=False)
     pooled: list[str] = field(default_factory=list)
     _decoded: bool = field(default=False, repr=False)
     _content: Any = field(default=None, repr=False)
@@ -151,7 +151,8 @@ class Message:
                 self._payload = self._buffers = None
                 return self._content
             try:
-                buffers = [b.open() if isinstance(b, _ShmFrame) else b for b in self._buffers]
+                buffers = [b.open() if isinstance(b, _ShmFrame) else b
+                           for b in self._buffers or ()]
                 self._content = serialize.loads(self._payload, buffers)
             except Exception as e:
                 raise ProtocolError(
@@ -295,6 +296,7 @@ class Codec:
         SerializationError
             If ``content`` cannot be pickled.
         """
+        buffers: list[Any]  # memoryviews, then shared-memory descriptors (bytes) too
         payload, buffers = serialize.dumps(content)
         if buffers:
             total = sum(b.nbytes for b in buffers)
@@ -310,8 +312,8 @@ class Codec:
                 buffers = list(buffers)
                 for i in big:
                     try:
-                        pooled = shm in ("sender", "reply") and self.pool is not None
-                        sb = self.pool.put(buffers[i]) if pooled else None
+                        pool = self.pool if shm in ("sender", "reply") else None
+                        sb = pool.put(buffers[i]) if pool is not None else None
                         if sb is not None:
                             mode = "p"
                         else:  # a fresh file; a reply's is removed by its receiver
@@ -365,7 +367,7 @@ class Codec:
         if not views or views[0].nbytes < _HEAD or views[0][:4] != MAGIC:
             raise ProtocolError(f"malformed message: {len(views)} frames, bad or missing magic")
         env = views[0]
-        buffers = views[1:]
+        buffers: list[Any] = views[1:]
         if env.nbytes - _HEAD > self.max_header:
             raise ProtocolError(
                 f"message header+payload of {env.nbytes - _HEAD} bytes exceeds "

@@ -34,7 +34,7 @@ import pickle
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -357,7 +357,7 @@ def _plain(obj: Any, depth: int) -> bool:
     return False
 
 
-def loads(payload: bytes | memoryview, buffers: list[Any] = ()) -> Any:
+def loads(payload: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
     """Unpickle what :func:`dumps` produced.
 
     Raises

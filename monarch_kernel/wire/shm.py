@@ -261,8 +261,9 @@ def _allocate(fd: int, n: int) -> None:
         os.ftruncate(fd, n)
 
 
-def parse(frame: memoryview) -> tuple[str, int, bool]:
-    """``(name, nbytes, receiver_unlinks)`` from a descriptor frame.
+def parse(frame: memoryview) -> tuple[str, int, str]:
+    """``(name, nbytes, mode)`` from a descriptor frame (mode ``"0"``: the sender
+    removes the file, ``"1"``: the receiver does, ``"p"``: a sender's pooled file).
 
     Raises
     ------
