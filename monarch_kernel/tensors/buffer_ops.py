@@ -36,7 +36,7 @@ from monarch_kernel.tensors.buffer import _byte_view, _copy, _is_cuda, _lookup, 
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future
 from monarch_kernel.wire.messages import BUF_NBYTES, BUF_ROUTE, Buffer, Reply
-from monarch_kernel.wire import cuda_ipc
+from monarch_kernel.wire import torch_ipc
 
 log = logging.getLogger("monarch_kernel.tensors.buffer")
 
@@ -188,7 +188,7 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
 
 
 def _ipc_copy(o: _Op, args: tuple) -> None:
-    alias = cuda_ipc.rebuild(args)  # the owner's bytes, mapped into this process
+    alias = torch_ipc.rebuild(args)  # the owner's bytes, mapped into this process
     try:
         if o.op == "read":
             _copy(o.view, alias[: o.n])
@@ -346,7 +346,7 @@ def _serve(c: Buffer, rank: int) -> Any:
         if not _is_cuda(reg):
             raise ValueError("CUDA IPC asked for a buffer that is not on a GPU")
         try:
-            return cuda_ipc.reduce(reg)
+            return torch_ipc.reduce(reg)
         except Exception as e:
             raise _NoIpc(f"CUDA IPC unavailable on rank {rank}: {e}") from e
     if route == "shm":

@@ -22,6 +22,8 @@ that copy, copies it device to device into memory of its own and lets go;
 torch's IPC reference count keeps the sender's copy until then, and its
 event orders the receiver's copy after the sender's). Otherwise it is
 staged through host memory. ``MONARCH_CUDA_IPC=0`` turns the IPC route off.
+torch's reduction is read through :mod:`monarch_kernel.wire.torch_ipc`, which
+knows its layout (another torch's: the tensor is staged, with a warning).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 import cloudpickle
 
 from monarch_kernel.errors import SerializationError
-from monarch_kernel.wire import cuda_ipc as _cuda_ipc
+from monarch_kernel.wire import torch_ipc
 
 __all__ = ["PROTOCOL", "Packed", "dumps", "loads"]
 
@@ -120,7 +122,7 @@ def _rebuild_cuda_ipc(args: tuple, device: str, requires_grad: bool):
     except SerializationError:  # no GPU here: still let the sender free its block
         _release_ipc_reference(args)
         raise
-    alias = _cuda_ipc.rebuild(args)  # the sender's memory (waits for its event)
+    alias = torch_ipc.rebuild(args)  # the sender's memory (waits for its event)
     try:
         t = alias.to(target, copy=True)
         # copied before the sender may reuse its block (the copy's streams only: this
@@ -152,7 +154,7 @@ def _release_ipc_reference(args: tuple) -> None:
     without opening it (as ``rebuild_cuda_tensor`` does for a cached handle);
     best effort: only the shared reference-count file is touched."""
     try:
-        _cuda_ipc.release(args)
+        torch_ipc.release(args)
     except Exception:  # noqa: BLE001, S110 - the sender then keeps the block until it exits
         pass
 
@@ -166,8 +168,8 @@ def _reduce_cuda_ipc(t: Any) -> tuple | None:
         # a copy of its own: the receiver copies when the message arrives, and what the
         # sender does to its tensor meanwhile must not show (the message is a snapshot,
         # as when staged); the copy is freed once the receiver let go of the handle
-        args = _cuda_ipc.reduce(t.detach().clone())
-    except _cuda_ipc.CudaIpcLayoutError as e:  # another torch: stage it, and say why once
+        args = torch_ipc.reduce(t.detach().clone())
+    except torch_ipc.CudaIpcLayoutError as e:  # another torch: stage it, and say why once
         if not _ipc_layout_warned:
             _ipc_layout_warned.append(True)
             log.warning("CUDA tensors are staged through host memory: %s", e)

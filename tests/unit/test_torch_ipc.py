@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from monarch_kernel.errors import SerializationError
-from monarch_kernel.wire import cuda_ipc
-from monarch_kernel.wire.cuda_ipc import REBUILD_ARGS, CudaIpcArgs, CudaIpcLayoutError
+from monarch_kernel.wire import torch_ipc
+from monarch_kernel.wire.torch_ipc import REBUILD_ARGS, CudaIpcArgs, CudaIpcLayoutError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +48,7 @@ def test_fields_by_name():
 
 def test_release_gives_back_the_reference():
     _Storage.released.clear()
-    cuda_ipc.release(_synthetic())
+    torch_ipc.release(_synthetic())
     assert _Storage.released == [(b"/torch_123_counter", 7, 1)]
 
 
@@ -59,30 +59,30 @@ def test_unknown_shape_is_a_clear_error(bad):
     assert isinstance(e.value, SerializationError)
     assert "MONARCH_CUDA_IPC=0" in str(e.value)
     with pytest.raises(CudaIpcLayoutError):
-        cuda_ipc.release(bad)
+        torch_ipc.release(bad)
     with pytest.raises(CudaIpcLayoutError):
-        cuda_ipc.rebuild(bad)
+        torch_ipc.rebuild(bad)
 
 
 def test_installed_torch_has_the_known_layout():
     """torch's rebuild_cuda_tensor takes REBUILD_ARGS in order (fails on a torch
     upgrade that changes the layout: then update REBUILD_ARGS and the accessor)."""
     pytest.importorskip("torch")
-    cuda_ipc.check_torch()
+    torch_ipc.check_torch()
 
 
 def test_reduce_checks_what_torch_returns(monkeypatch):
     reductions = pytest.importorskip("torch.multiprocessing.reductions")
     monkeypatch.setattr(reductions, "reduce_tensor",
                         lambda t: (reductions.rebuild_cuda_tensor, _synthetic()))
-    assert cuda_ipc.reduce(object()) == _synthetic()
+    assert torch_ipc.reduce(object()) == _synthetic()
     monkeypatch.setattr(reductions, "reduce_tensor",
                         lambda t: (reductions.rebuild_cuda_tensor, _synthetic()[:12]))
     with pytest.raises(CudaIpcLayoutError, match="gave a tuple of 12"):
-        cuda_ipc.reduce(object())
+        torch_ipc.reduce(object())
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (print, ()))
     with pytest.raises(CudaIpcLayoutError, match="not rebuild_cuda_tensor"):
-        cuda_ipc.reduce(object())
+        torch_ipc.reduce(object())
 
 
 def test_changed_torch_signature_is_a_clear_error(monkeypatch):
@@ -92,6 +92,6 @@ def test_changed_torch_signature_is_a_clear_error(monkeypatch):
         raise AssertionError("not called")
 
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild_cuda_tensor)
-    monkeypatch.setattr(cuda_ipc, "_checked", [])
+    monkeypatch.setattr(torch_ipc, "_checked", [])
     with pytest.raises(CudaIpcLayoutError, match="rebuild_cuda_tensor takes"):
-        cuda_ipc.rebuild(_synthetic())
+        torch_ipc.rebuild(_synthetic())
