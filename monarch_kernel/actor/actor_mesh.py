@@ -81,6 +81,8 @@ from monarch_kernel.actor.future import Future
 from monarch_kernel.mesh.shape import Point, Shape
 from monarch_kernel.wire.serialize import Packed, cuda_ipc
 from monarch_kernel.wire.sources import has_code, sources_for
+from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
+                                          SOURCES, UID, WAITED, Call, StopActor)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -355,7 +357,7 @@ class ActorMesh(Generic[A]):
             ctl = pm.controller
             live = [r for r in ranks if ctl.ranks[r].state not in ("dead", "stopped")]
             if live:
-                req = ctl.request(live, "stop_actor", {"name": self.name})
+                req = ctl.request(live, "stop_actor", StopActor(name=self.name))
                 if not req.wait(timeout):
                     log.warning("actor %r did not stop within %s s", self.name, timeout)
         for r in ranks:
@@ -386,21 +388,21 @@ class ActorMesh(Generic[A]):
         if args or kwargs:
             with cuda_ipc(one_here):
                 payload = Packed.pack((args, kwargs))
-        content: dict[str, Any] = {"a": rec.name, "m": method, "u": rec.uid, "p": payload}
+        content: Call = {ACTOR: rec.name, METHOD: method, UID: rec.uid, PAYLOAD: payload}
         if one_here and w is not None:
-            content["i"] = 1  # a worker calls: its reply may hold IPC handles too
+            content[IPC] = 1  # a worker calls: its reply may hold IPC handles too
         if oneway:
-            content["o"] = True
+            content[ONEWAY] = True
             if pickled_count() != handles:
                 # it carries handles (tensors.Ref) that nobody keeps alive until it ran:
                 # the rank takes their values on arrival, before a later "free"
-                content["r"] = True
+                content[REFS] = True
         if keep:
-            content["k"] = keep
+            content[KEEP] = keep
         if (args or kwargs) and has_code(args, kwargs):
-            content["s"] = sources_for([*args, *kwargs.values()])
+            content[SOURCES] = sources_for([*args, *kwargs.values()])
         if not oneway and current_actor() is not None:
-            content["w"] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
+            content[WAITED] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
         if w is not None:
             foreign = self._foreign(w)
             return peer_host(w).request(ranks, self._peers, content, oneway, mesh=foreign)

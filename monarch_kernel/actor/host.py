@@ -48,6 +48,9 @@ from monarch_kernel.actor.peers import stats
 from monarch_kernel.errors import SerializationError
 from monarch_kernel.mesh.shape import Point, Shape
 from monarch_kernel.wire.serialize import Packed, cuda_ipc
+from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
+                                          SOURCES, WAITED, Call, RankDead, SpawnActor, SpawnReply,
+                                          SupervisionEvent)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -55,6 +58,7 @@ __all__ = [
     "Packed",
     "context",
     "dispatch_call",
+    "dispatch_rank_dead",
     "peer_host",
     "register_sources",
     "spawn_local",
@@ -120,11 +124,11 @@ class _ActorInstance:
             if wake is not None:
                 wake()
 
-    def deliver(self, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
+    def deliver(self, mid: str, c: Call, route: list[bytes] | None) -> None:
         """Queue call ``mid`` (content ``c``; ``route``: the calling peer's identity, None
         for the controller); a call an actor made is tracked for wait cycles
         (:mod:`monarch_kernel.actor.cycles`) while queued or running. Any thread."""
-        if "w" in c:
+        if WAITED in c:
             actor_cycles.track(self, mid, c, route)
         self.post(("call", mid, c, route))
 
@@ -156,7 +160,7 @@ class _ActorInstance:
                     self._construct(item[1], item[2])
                 elif item[0] == "supervise":
                     self._supervise(item[1])
-                elif "w" not in item[2]:
+                elif WAITED not in item[2]:
                     self._call(item[1], item[2], item[3])
                 elif actor_cycles.begin(self, item[1]):  # a call an actor made (tracked)
                     try:
@@ -194,7 +198,7 @@ class _ActorInstance:
                 return False
         nxt = self._ahead
         return (nxt is not None and nxt[0] == "call" and nxt[3] is None
-                and not nxt[2].get("o") and self._fast.get(nxt[2].get("m"), False))
+                and not nxt[2].get(ONEWAY) and self._fast.get(nxt[2].get(METHOD), False))
 
     def _flush(self) -> None:
         """Send the held replies (one message for several)."""
@@ -241,9 +245,9 @@ class _ActorInstance:
                 note = f"; __supervise__ raised {type(e).__name__}: {e}"
         if not handled:
             try:
-                self.worker.send("event", {
-                    "kind": "supervision", "actor": self.name, "rank": self.worker.rank,
-                    "failure": f"{failure}{note}"})
+                self.worker.send("event", SupervisionEvent(
+                    kind="supervision", actor=self.name, rank=self.worker.rank,
+                    failure=f"{failure}{note}"))
             except Exception:  # noqa: BLE001 - the connection is going away
                 log.warning("could not report an unhandled failure: %s", failure)
 
@@ -256,19 +260,19 @@ class _ActorInstance:
             done.append(failure_of(self.worker, e))
         done[0].set()
 
-    def _call(self, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
+    def _call(self, mid: str, c: Call, route: list[bytes] | None) -> None:
         w = self.worker
-        method = c["m"]
-        oneway = c.get("o", False)
+        method = c[METHOD]
+        oneway = c.get(ONEWAY, False)
         prev = w.current_parent
         attribute = route is None and not oneway
         if attribute:  # output written during the call goes to the caller's request
             w.current_parent = mid
         telemetry.set_activity(f"running endpoint {self.name}.{method}")
         try:
-            if "s" in c:
-                register_sources(c["s"])
-            args, kwargs = c["p"].unpack()
+            if SOURCES in c:
+                register_sources(c[SOURCES])
+            args, kwargs = c[PAYLOAD].unpack()
             fn = getattr(self.obj, method, None)
             if fn is None or not getattr(fn, "__monarch_endpoint__", False):
                 raise AttributeError(
@@ -281,10 +285,10 @@ class _ActorInstance:
             finally:
                 w.leave_if_forked()  # (a child the endpoint forked and that came back)
             self._fast[method] = time.perf_counter() - t0 < FAST_S
-            if "k" in c:  # .rref(): the value stays here; only its description goes back
-                value = keep_result(c["k"], value)
+            if KEEP in c:  # .rref(): the value stays here; only its description goes back
+                value = keep_result(c[KEEP], value)
             try:  # to the controller on this host: big CUDA tensors go by IPC handle
-                with cuda_ipc(not c.get("o") and (c.get("i") if route is not None
+                with cuda_ipc(not c.get(ONEWAY) and (c.get(IPC) if route is not None
                                                   else w.controller_pid is not None)):
                     status, out = "ok", Packed.pack(value)
             except SerializationError as e:
@@ -317,24 +321,29 @@ def dispatch_call(worker: Any, msg: Any) -> None:
 
     Never blocks: the actor's thread runs the call and replies.
     """
-    c = msg.content
-    if "sys" in c:
-        host = actor_peers.current_host()
-        if c["sys"] == "dead":
-            if host is not None:
-                host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
-            # meshes this worker spawned wait on it too, maybe
-            mesh_keys.pass_down({**c, "mesh": c.get("mesh") or worker.codec.fingerprint})
-        return
-    inst = worker.actors.get(c["a"])
+    c: Call = msg.content
+    inst = worker.actors.get(c[ACTOR])
     if inst is None:
         reject(worker, msg.id, c, None)
         return
-    if "r" in c:  # a one-way call with handles: take their values now (see _Unpacked)
-        if "s" in c:
-            register_sources(c["s"])
-        c["p"] = _Unpacked(c["p"])
+    if REFS in c:  # a one-way call with handles: take their values now (see _Unpacked)
+        if SOURCES in c:
+            register_sources(c[SOURCES])
+        c[PAYLOAD] = _Unpacked(c[PAYLOAD])
     inst.deliver(msg.id, c, None)
+
+
+def dispatch_rank_dead(worker: Any, msg: Any) -> None:
+    """A ``rank_dead`` notice (worker I/O thread): a rank of this worker's mesh, or of
+    another mesh of the program, died. Calls this worker's actors wait on it fail at
+    once, and the meshes this worker spawned itself hear of it too."""
+    c: RankDead = msg.content
+    host = actor_peers.current_host()
+    if host is not None:
+        host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
+    # meshes this worker spawned wait on it too, maybe
+    mesh_keys.pass_down_death(RankDead(rank=c["rank"], addr=c.get("addr"), reason=c["reason"],
+                                       mesh=c.get("mesh") or worker.codec.fingerprint))
 
 
 class _Call:
@@ -342,7 +351,7 @@ class _Call:
 
     __slots__ = ("content", "id")
 
-    def __init__(self, id: str, content: dict[str, Any]) -> None:
+    def __init__(self, id: str, content: Call) -> None:
         self.id, self.content = id, content
 
 
@@ -355,7 +364,7 @@ def dispatch_calls(worker: Any, msg: Any) -> None:
     """
     try:
         calls = [_Call(str(mid), c) for mid, c in msg.content]
-        if not all(isinstance(call.content, dict) and "a" in call.content for call in calls):
+        if not all(isinstance(call.content, dict) and ACTOR in call.content for call in calls):
             raise ValueError("a call without an actor name")
     except (TypeError, ValueError) as e:
         log.warning("rank %d dropped a malformed batch of calls: %s", worker.rank, e)
@@ -390,7 +399,7 @@ class _Unpacked:
         return self.value
 
 
-def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
+def spawn_local(worker: Any, content: SpawnActor) -> SpawnReply:
     """Construct one actor on this worker (worker main thread).
 
     Returns
@@ -421,10 +430,10 @@ def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
     done[0].wait()
     if done[1] is not None:
         inst.post(None)
-        return {"peer": host.address, "failure": done[1]}
+        return SpawnReply(peer=host.address, failure=done[1])
     worker.actors[name] = inst
     host.stopped.pop(name, None)
-    return {"peer": host.address}
+    return SpawnReply(peer=host.address)
 
 
 def stop_local(worker: Any, name: str, timeout: float = 10.0) -> None:

@@ -14,12 +14,12 @@ to each other here, in signed ``keys`` control messages:
   told to drop it when it stops (their calls waiting on it then fail; a
   worker ignores a key that arrives after its drop);
 * a rank of one mesh that dies fails the calls that other meshes' workers
-  wait on it, as its own mesh's do (``PeerHost.fail_rank`` with the mesh's
-  fingerprint);
+  wait on it, as its own mesh's do (a ``rank_dead`` notice with the mesh's
+  fingerprint: ``PeerHost.fail_rank``);
 * in a worker that spawns meshes of its own (an actor's), its own mesh's key
   and key ring are handed down, and what the worker later learns (keys,
-  drops, deaths) is passed down to them (:func:`pass_down`), so that the
-  child mesh's actors can call up.
+  drops, deaths) is passed down to them (:func:`pass_down`,
+  :func:`pass_down_death`), so that the child mesh's actors can call up.
 
 Keys travel only in signed control messages, and only to meshes whose
 control channel is encrypted (CurveZMQ) or loopback: a mesh spawned beyond
@@ -40,11 +40,12 @@ from typing import Any
 
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.transport.sockets import is_loopback
+from monarch_kernel.wire.messages import Keys, RankDead
 
 log = logging.getLogger("monarch_kernel.actor.mesh_keys")
 
-__all__ = ["check_known", "introduce", "note_peers", "pass_down", "peer_address", "register",
-           "ring_for", "unregister"]
+__all__ = ["check_known", "introduce", "note_peers", "pass_down", "pass_down_death", "peer_address",
+           "register", "ring_for", "unregister"]
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live controllers
 _lock = threading.Lock()
@@ -145,7 +146,7 @@ def register(ctl: Any) -> None:
     if _secure(ctl):
         for other in others:
             if _secure(other):  # (never over another mesh's unencrypted network link)
-                _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
+                _tell(other, Keys(add={ctl.codec.fingerprint: ctl.key}))
 
 
 def introduce(ctl: Any, ranks: list[int]) -> None:
@@ -157,20 +158,24 @@ def introduce(ctl: Any, ranks: list[int]) -> None:
     live = [r for r in ranks if r in _live_ranks(ctl)]
     if ring and live:
         try:
-            ctl.notify(live, "keys", {"add": ring})
+            ctl.notify(live, "keys", Keys(add=ring))
         except Exception as e:  # noqa: BLE001 - the mesh is closing
             log.debug("cannot introduce ranks %s: %s", live, e)
 
 
-def pass_down(content: dict[str, Any]) -> None:
-    """In a worker: what it learned from its controller (``keys`` added or
-    dropped, or a death in another mesh, ``content`` of a ``call`` with
-    ``sys``) goes on to the meshes this worker spawned itself."""
+def pass_down(content: Keys) -> None:
+    """In a worker: the ``keys`` it got from its controller (added or dropped) go on
+    to the meshes this worker spawned itself (those whose channel is secure)."""
     for c in _others(None):
-        if "sys" in content:
-            _tell(c, content, "call")
-        elif _secure(c):
+        if _secure(c):
             _tell(c, content)
+
+
+def pass_down_death(content: RankDead) -> None:
+    """In a worker: a ``rank_dead`` notice it got from its controller (``mesh``: the
+    dead rank's mesh) goes on to the meshes this worker spawned itself."""
+    for c in _others(None):
+        _tell(c, content, "rank_dead")
 
 
 def unregister(ctl: Any) -> None:
@@ -184,7 +189,7 @@ def unregister(ctl: Any) -> None:
             _tell(other, {"drop": [ctl.codec.fingerprint]})
 
 
-def _tell(ctl: Any, content: dict[str, Any], type: str = "keys") -> None:
+def _tell(ctl: Any, content: Keys | RankDead, type: str = "keys") -> None:
     """A one-way ``type`` message to the live ranks of ``ctl``'s mesh."""
     ranks = _live_ranks(ctl)
     if ranks:
@@ -198,7 +203,6 @@ def _pass_on_death(ctl: Any, rank: int, failure: Any) -> None:
     addr = peer_address(ctl, rank)
     if addr is None:  # (no actor ever ran there: no other mesh can be waiting on it)
         return
-    content = {"sys": "dead", "rank": rank, "addr": addr, "reason": str(failure),
-               "mesh": ctl.codec.fingerprint}
+    content = RankDead(rank=rank, addr=addr, reason=str(failure), mesh=ctl.codec.fingerprint)
     for other in _others(ctl):
-        _tell(other, content, "call")
+        _tell(other, content, "rank_dead")

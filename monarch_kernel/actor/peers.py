@@ -52,6 +52,8 @@ from monarch_kernel.errors import MeshFailure, ProtocolError, SerializationError
 from monarch_kernel.actor.peer_io import PeerIO
 from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
 from monarch_kernel.wire.serialize import Packed, reply_content
+from monarch_kernel.wire.messages import (ACTOR, METHOD, ONEWAY, UID, ActorErrorEvent, Buffer,
+                                          Call, Failure, Reply)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -184,7 +186,7 @@ class PeerHost(PeerIO):
         self._thread.start()
         _hosts.add(self)
 
-    def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
+    def request(self, ranks: list[int], peers: dict[int, str], content: Call | Buffer,
                 oneway: bool, type: str = "call", mesh: str | None = None) -> Request | None:
         """Send a call (or a message of another ``type``: ``buffer``, see
         :mod:`monarch_kernel.tensors.buffer_ops`) to ``ranks`` (any thread of this worker),
@@ -369,8 +371,8 @@ class PeerHost(PeerIO):
             if handler is not None:
                 handler(self, msg)
             return
-        c = msg.content
-        inst = self.worker.actors.get(c["a"])
+        c: Call = msg.content
+        inst = self.worker.actors.get(c[ACTOR])
         if inst is None:
             reject(self.worker, msg.id, c, msg.identity)
         else:
@@ -390,7 +392,7 @@ class PeerHost(PeerIO):
             req = self.pending.get(msg.parent or "")
             if req is None or not req._reply_pending(rank):
                 return
-            c = msg.content
+            c: Reply = msg.content
             req.replies[rank] = (c["status"], c["value"])
             finished = len(req.replies) >= len(req.ranks)
             if finished:
@@ -413,19 +415,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, status: str,
+def answer(w: Any, mid: str, c: Call, route: list[bytes] | None, status: str,
            value: Any) -> None:
     """Send the result of call ``mid`` (content ``c``) of worker ``w`` where it must go:
     nowhere for a one-way call (but a failure is reported to the controller as an
     ``actor_error`` event), to the controller (``route`` None) or back to the peer
     that made it (``route``: its ROUTER identity). ``status``: ``"ok"`` or ``"error"``;
     ``value``: a :class:`~monarch_kernel.wire.serialize.Packed` or a failure dict."""
-    if c.get("o"):  # broadcast: nobody waits; a failure is still reported
+    if c.get(ONEWAY):  # broadcast: nobody waits; a failure is still reported
         if status == "error":
             if w.capture is not None:
                 w.capture.drain()
-            w.send("event", {"kind": "actor_error", "actor": c["a"], "method": c["m"],
-                             "uid": c.get("u"), "rank": w.rank, "failure": value})
+            w.send("event", ActorErrorEvent(kind="actor_error", actor=c[ACTOR], method=c[METHOD],
+                                            uid=c.get(UID), rank=w.rank, failure=value))
         return
     if route is None:
         w.reply(mid, status, value)
@@ -434,10 +436,10 @@ def answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, statu
         try:
             frames = host.codec.encode("reply", reply_content(status, value), parent=mid)
         except SerializationError as e:  # (too large, say): the caller gets why, not a hang
-            frames = host.codec.encode("reply", {"status": "error", "value": {
-                "type": "monarch_kernel.errors.SerializationError", "traceback": "",
-                "message": f"rank {w.rank}: the result of {c.get('m')!r} cannot be sent "
-                           f"back: {e}", "exc": None}}, parent=mid)
+            frames = host.codec.encode("reply", Reply(status="error", value=Failure(
+                type="monarch_kernel.errors.SerializationError", traceback="",
+                message=f"rank {w.rank}: the result of {c.get(METHOD)!r} cannot be sent "
+                        f"back: {e}", exc=None)), parent=mid)
         host.reply_to(route, frames)
 
 
@@ -487,11 +489,11 @@ def missing_actor(w: Any, name: str) -> MeshFailure:
                        "mesh again)", rank=w.rank)
 
 
-def reject(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
+def reject(w: Any, mid: str, c: Call, route: list[bytes] | None) -> None:
     """Answer call ``mid`` to an actor that worker ``w`` does not run (see :func:`answer`)."""
-    e = missing_actor(w, c["a"])
-    failure = {"type": "monarch_kernel.errors.MeshFailure", "message": str(e),
-               "traceback": "", "exc": Packed.pack(e), "rejected": True}
+    e = missing_actor(w, c[ACTOR])
+    failure = Failure(type="monarch_kernel.errors.MeshFailure", message=str(e),
+                      traceback="", exc=Packed.pack(e), rejected=True)
     answer(w, mid, c, route, "error", failure)
 
 

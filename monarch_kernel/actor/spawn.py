@@ -29,6 +29,8 @@ from monarch_kernel.errors import (
 from monarch_kernel.actor.future import Future
 from monarch_kernel.wire.serialize import Packed
 from monarch_kernel.wire.sources import sources_for
+from monarch_kernel.wire.messages import (ActorErrorEvent, Failure, RankDead, SpawnActor,
+                                          StopActor)
 
 __all__ = ["spawn_actor_mesh"]
 
@@ -82,8 +84,8 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     _listen(ctl)
     uid = secrets.token_hex(8)
     shape = procmesh.shape
-    content = {"name": name, "uid": uid, "dims": shape.dims, "ranks": shape.ranks,
-               "init": Packed.pack((cls, args, kwargs)), "sources": sources_for([cls])}
+    content = SpawnActor(name=name, uid=uid, dims=shape.dims, ranks=shape.ranks,
+                         init=Packed.pack((cls, args, kwargs)), sources=sources_for([cls]))
     req = ctl.request(shape.ranks, "spawn_actor", content)
     fut: Future[None] = Future(pump=CallOutput(req))
     req.add_done_callback(lambda q: fut.set_result(None))
@@ -95,7 +97,7 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     if failed:
         built = [r for r, (_, v) in req.replies.items() if "failure" not in v]
         if built:
-            ctl.request(built, "stop_actor", {"name": name}).wait(10)
+            ctl.request(built, "stop_actor", StopActor(name=name)).wait(10)
         groups = group_failures(failed)
         err = remote_exception(groups[0], ActorError)
         if len(groups) > 1:
@@ -107,7 +109,7 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     return ActorMesh(rec, shape, peers, endpoints, cls.__qualname__)
 
 
-def _unpack_exc(failure: dict[str, Any]) -> BaseException | None:
+def _unpack_exc(failure: Failure) -> BaseException | None:
     exc = failure.get("exc")
     if isinstance(exc, Packed):
         try:
@@ -138,15 +140,15 @@ def _listen(ctl: Any) -> None:
             live = [r for r, i in c.ranks.items() if i.state not in ("dead", "stopped")]
             addr = peer_address(c, rank)
             try:
-                c.notify(live, "call", {"sys": "dead", "rank": rank, "addr": addr,
-                                        "reason": str(payload)})
+                c.notify(live, "rank_dead", RankDead(rank=rank, addr=addr, reason=str(payload)))
             except Exception as e:  # noqa: BLE001 - the mesh is closing
                 log.debug("cannot tell the workers that rank %d died: %s", rank, e)
 
     ctl.listeners.append(listener)
 
 
-def _on_broadcast_failure(rank: int, p: dict[str, Any]) -> None:
+def _on_broadcast_failure(rank: int, event: Any) -> None:
+    p: ActorErrorEvent = event
     f = p["failure"]
     err = remote_exception(
         [RemoteFailure(rank, _unpack_exc(f), f["type"], f["message"], f["traceback"],

@@ -10,8 +10,9 @@ takes part. Content::
     {"op": "read" | "write" | "drop", "id": buffer id, "n": bytes,
      "m": "ipc" | "shm" | "band", "shm": file name, "data": array}
 
-``m`` is the route: ``ipc`` asks for a fresh CUDA IPC handle of the
-owner's tensor (the reader then copies device to device itself); ``shm``
+(:class:`monarch_kernel.wire.messages.Buffer`). ``m`` is the route: ``ipc``
+asks for a fresh CUDA IPC handle of the owner's tensor (the reader then
+copies device to device itself); ``shm``
 names a pooled shared-memory file of the reader's, which the owner fills
 (read) or empties (write); ``band`` carries the bytes in the messages
 themselves. The reply is ``{"status": "ok" | "error", "value": ...}``.
@@ -36,6 +37,8 @@ from monarch_kernel.tensors.memory import byte_view, copy_bytes, is_cuda, lookup
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future
 from monarch_kernel.wire.serialize import release_ipc_reference
+from monarch_kernel.wire.messages import BUF_NBYTES, BUF_ROUTE, Buffer, Reply
+from monarch_kernel.wire import torch_ipc
 
 log = logging.getLogger("monarch_kernel.tensors.buffer")
 
@@ -91,7 +94,7 @@ def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> F
 def _send(host: Any, o: _Op) -> None:
     buf = o.buf
     routes[o.route] += 1
-    content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
+    content: Buffer = {"op": o.op, "id": buf._id, BUF_NBYTES: o.n, BUF_ROUTE: o.route}
     try:
         if o.route == "shm" and o.op != "drop":
             try:
@@ -99,7 +102,7 @@ def _send(host: Any, o: _Op) -> None:
             except OSError as e:  # /dev/shm full (a container's is often 64 MiB)
                 log.info("no shared memory for %d bytes (%s): sending them in-band", o.n, e)
             if o.lease is None:  # the pool is full: send the bytes in the messages
-                o.route = content["m"] = "band"
+                o.route = content[BUF_ROUTE] = "band"
             else:
                 content["shm"] = o.lease[0]
                 if o.op == "write":
@@ -183,9 +186,7 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
 
 
 def _ipc_copy(o: _Op, args: tuple) -> None:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    alias = rebuild_cuda_tensor(*args)  # the owner's bytes, mapped into this process
+    alias = torch_ipc.rebuild(args)  # the owner's bytes, mapped into this process
     try:
         if o.op == "read":
             copy_bytes(o.view, alias[: o.n])
@@ -299,10 +300,10 @@ def _expire(o: _Op, timeout: float) -> None:
 def serve(host: Any, msg: Any) -> None:
     """Answer a ``buffer`` message (the thread that read it: the owner's peer I/O
     thread, or the thread leading its I/O, :mod:`monarch_kernel.worker.io`)."""
-    c = msg.content
+    c: Buffer = msg.content
     try:
         value = _serve(c, host.rank)
-        reply = {"status": "ok", "value": value}
+        reply: Reply = {"status": "ok", "value": value}
     except _NoIpc as e:
         reply = {"status": "error", "value": {"type": "RuntimeError", "message": str(e),
                                              "code": "noipc"}}
@@ -328,24 +329,22 @@ _ERRORS: dict[str, type[Exception]] = {
     "SerializationError": RuntimeError}
 
 
-def _serve(c: dict[str, Any], rank: int) -> Any:
-    op, route = c["op"], c.get("m")
+def _serve(c: Buffer, rank: int) -> Any:
+    op, route = c["op"], c.get(BUF_ROUTE)
     if op == "drop":
         unregister(c["id"])
         return None
     if op not in ("read", "write"):
         raise ValueError(f"unknown buffer operation {op!r}")
     reg = lookup(c["id"], rank)[1]
-    n = int(c["n"])
+    n = int(c[BUF_NBYTES])
     if not 0 <= n <= nbytes(reg):
         raise ValueError(f"{n} bytes asked of a buffer of {nbytes(reg)}")
     if route == "ipc":
         if not is_cuda(reg):
             raise ValueError("CUDA IPC asked for a buffer that is not on a GPU")
         try:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            return reduce_tensor(reg)[1]
+            return torch_ipc.reduce(reg)
         except Exception as e:
             raise _NoIpc(f"CUDA IPC unavailable on rank {rank}: {e}") from e
     if route == "shm":

@@ -48,6 +48,7 @@ from monarch_kernel.actor.rref import note_pickled
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.mesh.shape import Shape, ValueMesh
 from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, resolve, set_controller_rebuild
+from monarch_kernel.wire.messages import Free, Ref as RefRequest
 
 __all__ = ["Ref", "RefTable", "bind_refs", "rebuild_local", "ref_of", "rref_call", "show"]
 
@@ -106,7 +107,7 @@ def _free_loop() -> None:
             if rt._stopped:
                 continue
             try:
-                rt.controller.notify(list(rk), "free", {"ids": ids})
+                rt.controller.notify(list(rk), "free", Free(ids=ids))
             except Exception:  # noqa: BLE001 - the mesh is closing: the values go with it
                 pass
 
@@ -242,8 +243,8 @@ class Ref:
         ranks = self.ranks if ranks is None else ranks
         self._check(ranks)
         root = self._entry.root
-        req = root.request("ref", {"op": op, "id": self.id, "label": self.label, **content},
-                           ranks)
+        req = root.request("ref", RefRequest(  # (content: the keys of this op's request)
+            op=op, id=self.id, label=self.label, **content), ranks)  # type: ignore[typeddict-item]
         root.collect(req, ranks)
         return {r: req.replies[r][1] for r in ranks}
 
@@ -449,7 +450,7 @@ def ref_of(procmesh: Any, name: str) -> Ref:
     procmesh._check()
     entry = _Entry(procmesh.root, procmesh.shape, name)
     try:
-        req = procmesh.request("ref", {"op": "keep", "id": entry.id, "name": name})
+        req = procmesh.request("ref", RefRequest(op="keep", id=entry.id, name=name))
         procmesh.collect(req)
     except BaseException:
         entry.free()
@@ -600,6 +601,6 @@ def show(procmesh: Any, target: Any, preview: int = 6) -> RefTable:
         return target.table(preview)
     if not isinstance(target, str) or not target.isidentifier():
         raise ValueError(f"{target!r} is neither a handle nor a variable name")
-    req = procmesh.request("ref", {"op": "meta", "name": target, "preview": preview})
+    req = procmesh.request("ref", RefRequest(op="meta", name=target, preview=preview))
     vm = procmesh.collect(req)
     return RefTable(target, ValueMesh(procmesh.shape, vm.values()))

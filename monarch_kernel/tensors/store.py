@@ -37,6 +37,7 @@ from typing import Any
 
 from monarch_kernel.actor.rref import set_result_keeper
 from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.wire.messages import Ref
 
 __all__ = ["describe", "device_mesh", "free", "handle", "init_device_mesh", "keep", "local_ids",
            "resolve", "set_controller_rebuild"]
@@ -180,7 +181,7 @@ def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
 
 
 # --------------------------------------------------------------- requests
-def handle(worker: Any, c: dict[str, Any]) -> Any:
+def handle(worker: Any, c: Ref) -> Any:
     """Run one ``ref`` request (worker main thread); see the module docstring."""
     op = c.get("op")
     if op == "keep":

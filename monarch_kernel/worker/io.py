@@ -297,6 +297,11 @@ class WorkerIO:
 
             actor.dispatch_call(self, msg)
             return
+        if msg.type == "rank_dead":  # a rank died: calls waiting on it fail (actor.host)
+            from monarch_kernel.actor import host as actor_host
+
+            actor_host.dispatch_rank_dead(self, msg)
+            return
         if msg.type == "calls":  # a batch of calls (monarch_kernel.controller.batching): in order
             from monarch_kernel.actor import host as actor_host
 
