@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from netns_helpers import NetnsPair, netns_unavailable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
 
 _why = netns_unavailable()
