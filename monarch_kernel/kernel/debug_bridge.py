@@ -22,6 +22,7 @@ from IPython.core.error import UsageError
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.debug.console import DebugConsole, report_quits
 from monarch_kernel.debug.registry import registry_for
+from monarch_kernel.kernel.commands import command
 from monarch_kernel.controller.output import RankPrinter
 from monarch_kernel.mesh.procmesh import ProcMesh, raise_failures
 
@@ -120,12 +121,7 @@ def debug_command(magics: Any, argv: list[str]) -> None:
     UsageError
         For bad arguments, or a rank with no exception to debug.
     """
-    from monarch_kernel.kernel.magics import _parser
-
-    p = _parser("debug")
-    p.add_argument("--post-mortem", dest="post_mortem", metavar="RANK", default=None)
-    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
-    a = p.parse_args(argv)
+    a = command("debug").parse(argv)
     if a.wait < 0:
         raise UsageError("%mesh debug --wait: give 0 or more seconds")
     m = magics.current_mesh()
