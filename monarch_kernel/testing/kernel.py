@@ -9,6 +9,7 @@ timeout. :func:`worker_pids` lists live worker processes for leak checks,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -41,9 +42,9 @@ def worker_pids(parent: int | None = None) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = p.info.get("cmdline") or []
-        if "monarch_kernel.worker.worker" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE:
-            if parent is None or str(parent) in cmd:
-                out.append(p.info["pid"])
+        if ("monarch_kernel.worker.worker" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE
+                and (parent is None or str(parent) in cmd)):
+            out.append(p.info["pid"])
     return out
 
 
@@ -61,10 +62,8 @@ def assert_no_workers(controller_pid: int, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             left = worker_pids(controller_pid)
             for pid in left:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             raise AssertionError(f"worker processes left behind: {left}")
         time.sleep(0.05)
 

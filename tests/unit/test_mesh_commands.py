@@ -36,7 +36,8 @@ def test_spawn_defaults_are_spawn_procs_defaults():
     ("spawn", ["4", "--frobnicate"], "unrecognized arguments: --frobnicate. Usage: %mesh spawn N"),
     ("spawn", ["4", "--dist", "mpi"], "invalid choice: 'mpi' (choose from 'gloo', 'nccl', 'none')"),
     ("spawn", ["4", "--heartbeat", "abc"], "invalid float value: 'abc'"),
-    ("%%mesh", ["--bogus"], "%%mesh: unrecognized arguments: --bogus. Usage: %%mesh [--ranks SPEC]"),
+    ("%%mesh", ["--bogus"],
+     "%%mesh: unrecognized arguments: --bogus. Usage: %%mesh [--ranks SPEC]"),
     ("restart", [], "required: ranks. Usage: %mesh restart RANKS"),
     ("stop", ["--now"], "Usage: %mesh stop [--all]"),
 ])
