@@ -71,3 +71,32 @@ def test_slurm_options_are_the_spawn_commands_slurm_line():
     a = command("spawn").parse(["2x2", "--launcher", "slurm", "--nodes", "2"])
     assert a.nodes == 2 and a.partition is None
     assert CELL.parse(["--ranks", "0:2", "--timeout", "3"]).timeout == 3.0
+
+
+@pytest.fixture
+def shell():
+    """An IPython shell (no kernel) with the %mesh magics, and no mesh."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from monarch_kernel.kernel.magics import MeshMagics
+
+    sh = InteractiveShell.instance()
+    sh.register_magics(MeshMagics(sh))
+    yield sh
+    InteractiveShell.clear_instance()
+
+
+def test_the_magic_prints_the_generated_help(shell, capsys):
+    shell.run_line_magic("mesh", "help")
+    assert capsys.readouterr().out.strip() == usage_text()
+    for line in ("help spawn", "spawn --help", "spawn -h"):
+        shell.run_line_magic("mesh", line)
+        assert capsys.readouterr().out.strip() == command("spawn").help_text(), line
+
+
+def test_the_magic_names_its_commands_for_an_unknown_one(shell):
+    with pytest.raises(UsageError, match=r"unknown command 'frobnicate'; use one of spawn, "
+                                         r"push, pull, .*stop \(see  %mesh help\)"):
+        shell.run_line_magic("mesh", "frobnicate")
+    with pytest.raises(UsageError, match=r"^%mesh spawn: unrecognized arguments: --x\. Usage"):
+        shell.run_line_magic("mesh", "spawn 2 --x")
