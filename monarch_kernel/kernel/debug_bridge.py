@@ -23,9 +23,9 @@ from monarch_kernel.actor.replies import set_debug_handler, show_display
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.debug.console import DebugConsole, report_quits
 from monarch_kernel.debug.registry import registry_for
+from monarch_kernel.kernel.commands import command
 from monarch_kernel.controller.output import RankPrinter
 from monarch_kernel.errors import raise_request_failures
-from monarch_kernel.kernel.usage import magic_parser
 from monarch_kernel.mesh.procmesh import ProcMesh, live_meshes
 
 __all__ = ["POST_MORTEM_CODE", "call_debug_event", "cell_console", "debug_command",
@@ -122,10 +122,7 @@ def debug_command(magics: Any, argv: list[str]) -> None:
     UsageError
         For bad arguments, or a rank with no exception to debug.
     """
-    p = magic_parser("debug")
-    p.add_argument("--post-mortem", dest="post_mortem", metavar="RANK", default=None)
-    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
-    a = p.parse_args(argv)
+    a = command("debug").parse(argv)
     if a.wait < 0:
         raise UsageError("%mesh debug --wait: give 0 or more seconds")
     m = magics.current_mesh()

@@ -2,8 +2,10 @@
 
 ``%mesh spawn N [--dist gloo|nccl|none]``, ``%%mesh [--ranks SPEC]``,
 ``%mesh push NAME...``, ``x = %mesh pull NAME``, ``%mesh status``,
-``%mesh stop``. Bad input raises IPython's ``UsageError``: one line that
-says what to do, and the kernel stays usable.
+``%mesh stop``, ...: the commands, their arguments, usage and help are
+defined once in :mod:`monarch_kernel.kernel.commands`; this module runs them.
+Bad input raises IPython's ``UsageError``: one line that says what to do, and
+the kernel stays usable.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
-from monarch_kernel.kernel.debug_bridge import cell_console, debug_command  # also serves paused actor calls
-from monarch_kernel.kernel.usage import USAGE, magic_parser, usage_of
+from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, command, usage_text
+# (debug_bridge also serves the calls of actors paused in pdb)
+from monarch_kernel.kernel.debug_bridge import cell_console, debug_command
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.ui.status import StatusTable
 
@@ -66,10 +69,6 @@ def parse_shape(text: str) -> dict[str, int]:
             f"{MAX_LOCAL_RANKS} this kernel allows; spawn fewer ranks"
         )
     return dims
-
-
-#: ``%mesh spawn`` options that go to the Slurm launcher
-SLURM_OPTIONS = ("--partition", "--time", "--account", "--gpus-per-node", "--nodes", "--sbatch")
 
 
 def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -144,14 +143,16 @@ class MeshMagics(Magics):
         except ValueError as e:
             raise UsageError(f"%mesh: cannot parse {line!r}: {e}") from None
         if not argv or argv[0] in ("help", "-h", "--help"):
-            print(USAGE)
+            print(self._help(argv[1:2]))
             return None
         cmd, rest = argv[0], argv[1:]
-        handler = getattr(self, f"_cmd_{cmd}", None)
-        if handler is None:
-            known = ", ".join(n[5:] for n in dir(self) if n.startswith("_cmd_"))
-            raise UsageError(f"%mesh: unknown command {cmd!r}; use one of {known} "
-                             "(see  %mesh help)")
+        if cmd not in self._line_commands:
+            raise UsageError(f"%mesh: unknown command {cmd!r}; use one of "
+                             f"{', '.join(self._line_commands)} (see  %mesh help)")
+        if rest and rest[0] in ("-h", "--help"):
+            print(command(cmd).help_text())
+            return None
+        handler = getattr(self, f"_cmd_{cmd}")
         try:
             return handler(rest)
         except (UsageError, KeyboardInterrupt):
@@ -161,22 +162,22 @@ class MeshMagics(Magics):
                 raise UsageError(f"%mesh {cmd}: {e}") from None
             raise
 
+    #: the commands of the %mesh line magic, as the user sees them listed
+    _line_commands = tuple(c.name for c in COMMANDS if c is not CELL)
+
+    @staticmethod
+    def _help(names: list[str]) -> str:
+        """``%mesh help``, or ``%mesh help CMD`` (one command's arguments)."""
+        if names:
+            try:
+                return command(names[0]).help_text()
+            except KeyError:
+                pass
+        return usage_text()
+
     # ------------------------------------------------------------ commands
     def _cmd_spawn(self, argv: list[str]) -> ProcMesh:
-        p = magic_parser("spawn")
-        p.add_argument("size")
-        p.add_argument("--dist", choices=["gloo", "nccl", "none"], default="none")
-        p.add_argument("--launcher", default="local")
-        p.add_argument("--bind", default=None)
-        for opt in SLURM_OPTIONS:
-            p.add_argument(opt, type=int if opt in ("--gpus-per-node", "--nodes") else str)
-        p.add_argument("--name", default="mesh")
-        p.add_argument("--heartbeat", type=float, default=1.0)
-        p.add_argument("--timeout", type=float, default=120.0)
-        p.add_argument("--restart", choices=["never", "on-failure"], default="never")
-        p.add_argument("--max-restarts", type=int, default=3)
-        p.add_argument("--telemetry-interval", type=float, default=1.0)
-        a = p.parse_args(argv)
+        a = command("spawn").parse(argv)
         if a.telemetry_interval < 0:
             raise UsageError("%mesh spawn: --telemetry-interval must be 0 (off) or more seconds")
         if a.max_restarts < 0:
@@ -218,9 +219,7 @@ class MeshMagics(Magics):
         return None
 
     def _cmd_stop(self, argv: list[str]) -> None:
-        p = magic_parser("stop")
-        p.add_argument("--all", action="store_true")
-        a = p.parse_args(argv)
+        a = command("stop").parse(argv)
         if a.all:
             self.stop_all()
             print("stopped every mesh")
@@ -231,9 +230,7 @@ class MeshMagics(Magics):
         self.meshes.pop(self.current or "", None)
 
     def _cmd_use(self, argv: list[str]) -> None:
-        p = magic_parser("use")
-        p.add_argument("name")
-        a = p.parse_args(argv)
+        a = command("use").parse(argv)
         m = self.meshes.get(a.name)
         adopted = ""
         if m is None or m.root._stopped:
@@ -268,10 +265,7 @@ class MeshMagics(Magics):
         return value
 
     def _cmd_restart(self, argv: list[str]) -> None:
-        p = magic_parser("restart")
-        p.add_argument("ranks", help="a rank spec: 3, 1,2, 0:4 or all")
-        p.add_argument("--timeout", type=float, default=120.0)
-        a = p.parse_args(argv)
+        a = command("restart").parse(argv)
         m = self.current_mesh()
         try:
             ranks = parse_ranks(a.ranks, m.world_size)
@@ -327,10 +321,7 @@ class MeshMagics(Magics):
                              "(in a %%mesh cell)") from None
 
     def _cmd_show(self, argv: list[str]) -> Any:
-        p = magic_parser("show")
-        p.add_argument("target")
-        p.add_argument("--values", type=int, default=6)
-        a = p.parse_args(argv)
+        a = command("show").parse(argv)
         if a.values < 0:
             raise UsageError("%mesh show: --values must be 0 or more")
         target = self.shell.user_ns.get(a.target)
@@ -352,15 +343,11 @@ class MeshMagics(Magics):
     def _cmd_status(self, argv: list[str]) -> Any:
         if argv:
             raise UsageError(f"%mesh status: unexpected arguments {' '.join(argv)!r}. "
-                             f"Usage: {usage_of('%mesh status')}")
+                             f"Usage: {command('status').usage()}")
         return StatusTable(self.current_mesh(), name=self.current)
 
     def _cmd_dashboard(self, argv: list[str]) -> Any:
-        p = magic_parser("dashboard")
-        p.add_argument("--interval", type=float, default=1.0)
-        p.add_argument("--history", type=float, default=60.0)
-        p.add_argument("--layout", choices=["auto", "rows", "heatmap"], default="auto")
-        a = p.parse_args(argv)
+        a = command("dashboard").parse(argv)
         if a.interval <= 0 or a.history <= 0:
             raise UsageError("%mesh dashboard: --interval and --history must be positive seconds")
         return self.current_mesh().dashboard(interval=a.interval, history=a.history,
@@ -369,11 +356,8 @@ class MeshMagics(Magics):
     # --------------------------------------------------------------- cells
     def _cell(self, line: str, cell: str) -> Any:
         if line.strip():
-            p = magic_parser("%%mesh")
-            p.add_argument("--ranks", default=None)
-            p.add_argument("--timeout", type=float, default=None)
             try:
-                a = p.parse_args(shlex.split(line))
+                a = CELL.parse(shlex.split(line))
             except ValueError as e:
                 raise UsageError(f"%%mesh: cannot parse {line!r}: {e}") from None
         else:  # a bare %%mesh (the common case) needs no argparse (0.2 ms a cell)

@@ -9,7 +9,7 @@ from nbclient import NotebookClient
 
 from monarch_kernel.testing.kernel import wait_for, worker_pids
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_distributed_tensors_notebook_matches_single_process():

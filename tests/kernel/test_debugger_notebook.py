@@ -15,7 +15,7 @@ import pytest
 
 from monarch_kernel.testing.kernel import wait_for, worker_pids
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tagged_workers(tag: str) -> list[int]:

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_CHILD_SUBREAPER is Linux's")
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the command: starts a daemon (fork, setsid, fork: re-parented away from it),
 # writes the daemon's pid, then ends as told

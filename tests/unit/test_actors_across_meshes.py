@@ -26,7 +26,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not 
 
 pytestmark = pytest.mark.timeout(180)
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Echo(Actor):
@@ -154,7 +154,7 @@ def test_a_handle_of_another_programs_mesh_is_refused_at_once():
                 echo = pm.spawn("theirs", t.Echo)
                 print(cloudpickle.dumps(echo).hex(), flush=True)
                 sys.stdin.readline()  # until the test is done
-        """), os.path.join(_ROOT, "tests")],
+        """), os.path.dirname(os.path.abspath(__file__))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=_ROOT)
     try:
         line = other.stdout.readline()

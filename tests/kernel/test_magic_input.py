@@ -3,7 +3,7 @@
 Each bad line gives a ``UsageError`` whose message is ONE line (no
 traceback, no usage dump) that says what to do, and the kernel stays usable:
 the next cell works, and the running mesh is the same (a typo must not stop
-it). tests/test_kernel_mesh.py checks a few of these for their error name
+it). tests/kernel/test_kernel_mesh.py checks a few of these for their error name
 only; here every one is checked for being one clear line.
 """
 

@@ -175,7 +175,8 @@ def test_flood_of_4_ranks_every_line_once_in_order_and_kernel_answers(k4):
     for rank, got in seqs.items():
         assert got == list(range(n)), (rank, len(got))  # once each, in order
     assert len(latencies) >= 10, latencies  # probed throughout the ~10 s
-    assert max(latencies) < 1.0, (max(latencies), elapsed)
+    # answered while the flood ran, not held until its end (relative to the cell's time)
+    assert max(latencies) < elapsed / 4, (max(latencies), elapsed)
     print(f"flood: {4 * n} lines in {elapsed:.1f} s, {len(r.messages)} iopub messages; "
           f"kernel_info on control: max {max(latencies) * 1000:.0f} ms, "
           f"mean {sum(latencies) / len(latencies) * 1000:.0f} ms over {len(latencies)}")

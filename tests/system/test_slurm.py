@@ -23,7 +23,7 @@ import pytest
 
 from monarch_kernel.testing.kernel import KernelSession, wait_for
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm_ci.sh"
 
 

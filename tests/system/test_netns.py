@@ -1,7 +1,7 @@
 """Issue 7: a mesh across a real network link (two network namespaces, one veth pair).
 
 The controller runs in namespace ``ns1`` bound to 10.231.7.1; its workers run
-in namespace ``ns2`` (10.231.7.2), started by ``tests/netns_helpers.py``'s
+in namespace ``ns2`` (10.231.7.2), started by ``tests/system/netns_helpers.py``'s
 NetnsLauncher (not local: heartbeats supervise them). Nothing crosses
 loopback: the two namespaces share no interface but the veth pair. Two
 drivers run inside ``ns1``: a plain script using ``spawn_procs`` (cells, a
@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from netns_helpers import NetnsPair, netns_unavailable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
 
 _why = netns_unavailable()

@@ -12,7 +12,7 @@ import pytest
 
 from monarch_kernel.testing.kernel import worker_pids
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CELL_ACTOR = '''
 from monarch_kernel import Actor, endpoint, current_rank

@@ -11,7 +11,7 @@ from notebook_helpers import kernel_pid_hook
 
 from monarch_kernel.testing.kernel import wait_for, worker_pids
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quickstart_notebook_trains_to_90_percent():

@@ -39,7 +39,7 @@ def make_host(rank=0):
 def _run(body: str, timeout: float = 60) -> str:
     """Run ``body`` after the prelude in a fresh interpreter; its stdout."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
          os.environ.get("PYTHONPATH", "")]))
     env.pop("MONARCH_LANES", None)
     r = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(body)],

@@ -1,6 +1,6 @@
 """RDMABuffer: a rank registers a tensor, others read and write it directly
 (issue 8, the data plane). Real worker processes, real peer sockets, real
-shared memory; CUDA routes are in tests/test_gpu.py."""
+shared memory; CUDA routes are in tests/system/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -200,9 +200,8 @@ def test_owner_busy_and_async_and_own_rank(holders) -> None:
     answers them); an async endpoint awaits a read; the owner reads itself."""
     buf = holders.slice(procs=0).register.call_one("f").get(timeout=30)
     busy = holders.slice(procs=0).sleep.call_one(5.0)
-    t0 = time.monotonic()
     total = holders.slice(procs=1).read_async.call_one(buf).get(timeout=60)
-    assert time.monotonic() - t0 < 4.0 and not busy.done()
+    assert not busy.done()  # read while the owner's actor was still busy
     assert total == float(sum(range(N)))
     busy.get(timeout=30)
     got, dst = holders.slice(procs=0).read.call_one(buf).get(timeout=30)

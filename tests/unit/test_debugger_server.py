@@ -293,9 +293,9 @@ def test_console_stops_waiting_for_a_session_that_does_not_answer(local_mesh):
     s = _bg_session(m, 1)
     # a command that runs longer than the console waits for an answer
     c = _Console(m, ["attach 1", "p __import__('time').sleep(4) or 'woke'"])
-    t0 = time.monotonic()
     c.console.run()
-    assert time.monotonic() - t0 < 3.5  # it did not wait for the command to end
+    # it did not wait for the command to end
+    assert "woke" not in "".join(registry_for(m.controller).get(s.sid).text)
     assert not c.answers, c.prompts
     err = "".join(c.err)
     assert f"rank 1 (session {s.sid}) did not answer" in err, err
