@@ -78,6 +78,7 @@ from monarch_kernel.mesh.shape import Point, Shape
 from monarch_kernel.wire.serialize import cuda_ipc
 from monarch_kernel.wire.sources import has_code, sources_for
 from monarch_kernel.tensors.store import pickled_count
+from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -202,8 +203,7 @@ def _record(uid: str, name: str, procmesh: Any = None) -> _Record:
 
 
 def _current_worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    return getattr(mod, "current", None) if mod is not None else None
+    return current_worker()
 
 
 # -------------------------------------------------------------- the mesh

@@ -40,7 +40,7 @@ from typing import Any
 from monarch_kernel.actor import cycles as actor_cycles
 from monarch_kernel.actor import peers as actor_peers
 from monarch_kernel.util import gpu
-from monarch_kernel.worker import telemetry
+from monarch_kernel.worker import handlers, telemetry
 from monarch_kernel.actor.peers import peer_host, stats  # noqa: F401 - stats: re-exported
 from monarch_kernel.errors import MeshFailure, SerializationError
 from monarch_kernel.mesh.shape import Point, Shape
@@ -379,7 +379,7 @@ def dispatch_call(worker: Any, msg: Any) -> None:
         if c["sys"] == "dead":
             if host is not None:
                 host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
-            from monarch_kernel import mesh_keys  # meshes this worker spawned wait on it too, maybe
+            from monarch_kernel.actor import mesh_keys  # meshes this worker spawned wait on it too, maybe
 
             mesh_keys.pass_down({**c, "mesh": c.get("mesh") or worker.codec.fingerprint})
         return
@@ -524,3 +524,13 @@ def actor_point() -> tuple[Point, dict[str, int]] | None:
         return next(p for p in shape.points() if p.rank == w.rank), shape.dims
     return None
 
+
+# ------------------------------------------------- the worker's handlers (plug-in)
+def _stop_actor(worker: Any, content: dict[str, Any]) -> None:
+    stop_local(worker, content["name"])
+
+
+handlers.register_io("call", dispatch_call)  # to the actor's queue
+handlers.register_io("calls", dispatch_calls)  # a batch (controller.batching), in order
+handlers.register_request("spawn_actor", spawn_local)  # {"peer": this worker's actor address}
+handlers.register_request("stop_actor", _stop_actor)

@@ -33,10 +33,11 @@ the key cannot be learned. A handle of a mesh that no introduction covered
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import weakref
 from typing import Any
+
+from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.mesh_keys")
 
@@ -47,8 +48,7 @@ _lock = threading.Lock()
 
 
 def _current_worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    return getattr(mod, "current", None) if mod is not None else None
+    return current_worker()
 
 
 def check_known(w: Any, mesh: str | None, what: str) -> None:

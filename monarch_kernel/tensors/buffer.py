@@ -38,6 +38,7 @@ from typing import Any
 
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future, check_timeout
+from monarch_kernel.worker.worker import current_worker
 
 __all__ = ["RDMABuffer"]
 
@@ -49,8 +50,7 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 def _worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    w = getattr(mod, "current", None) if mod is not None else None
+    w = current_worker()
     if w is None:
         raise MeshError("RDMABuffer works on the ranks of a mesh: register, read, write and "
                         "drop buffers in actor endpoints or %%mesh cells (the controller can "

@@ -20,19 +20,30 @@ import base64
 import importlib.abc
 import importlib.util
 import io
+import os
 import sys
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["clear_output", "display", "install", "publish_display_data", "update_display"]
 
 _TARGET = "IPython.core.display_functions"
 
 
-def _send(content: dict[str, Any]) -> None:
-    from monarch_kernel.worker import worker
+class DisplaySink(Protocol):
+    """Where displays go: the worker of this process (its ``send`` and the
+    request the calling thread serves, ``current_parent``)."""
 
-    w = worker.current
+    current_parent: str | None
+
+    def send(self, type: str, content: Any = None, parent: str | None = None) -> None: ...
+
+
+_sink: DisplaySink | None = None
+
+
+def _send(content: dict[str, Any]) -> None:
+    w = _sink
     if w is None:
         return
     w.send("display", content, w.current_parent)
@@ -131,10 +142,12 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install() -> None:
-    """Route IPython display calls and matplotlib's ``show()`` to the controller."""
-    import os
-
+def install(sink: DisplaySink) -> None:
+    """Route IPython display calls and matplotlib's ``show()`` to ``sink`` (the
+    worker of this process), as ``display`` messages of the request that the
+    displaying thread serves."""
+    global _sink
+    _sink = sink
     os.environ.setdefault("MPLBACKEND", "module://monarch_kernel.worker.display")
     if _TARGET in sys.modules:
         _patch(sys.modules[_TARGET])

@@ -1,4 +1,9 @@
-"""The worker process: one per rank (``python -m monarch_kernel.worker.worker``).
+"""The worker process: one per rank (``python -m monarch_kernel worker``).
+
+The worker core runs cells (``execute``), ``push``, ``pull`` and ``stop``;
+every feature above it (actors, tensor handles, the remote debugger,
+torch.distributed set-up) plugs in through :mod:`monarch_kernel.worker.handlers`
+when the process's composition root (:mod:`monarch_kernel.plugins`) imports it.
 
 Threads
 -------
@@ -45,17 +50,22 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.wire import protocol
-from monarch_kernel.worker import telemetry
-from monarch_kernel.wire import shm as _shm
-from monarch_kernel.worker.capture import FdCapture
-from monarch_kernel.mesh.dist_setup import init_rank
 from monarch_kernel.errors import RemoteError, SerializationError, _ranks_label
 from monarch_kernel.transport.lane import Lane
-from monarch_kernel.worker.sched import batch_scheduling
+from monarch_kernel.transport.sockets import (
+    FdPoller,
+    Outbox,
+    connect_dealer,
+    inproc_pair,
+    send_frames,
+)
+from monarch_kernel.wire import protocol, serialize
+from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.serialize import cuda_ipc, reply_content
-from monarch_kernel.transport.sockets import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
+from monarch_kernel.worker import display, handlers, telemetry
+from monarch_kernel.worker.capture import FdCapture
 from monarch_kernel.worker.io import WorkerIO, _exit
+from monarch_kernel.worker.sched import batch_scheduling
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 log = logging.getLogger("monarch_kernel.worker.worker")
@@ -75,8 +85,14 @@ def _forked() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
-#: the running worker of this process (None outside a worker)
+#: the running worker of this process (None outside a worker); see current_worker()
 current: Worker | None = None
+
+
+def current_worker() -> Worker | None:
+    """The :class:`Worker` of this process, or None outside a worker process
+    (on the controller, in a test) and before the worker's main made it."""
+    return current
 
 
 class Worker(WorkerIO):
@@ -275,16 +291,16 @@ class Worker(WorkerIO):
             os._exit(0)
 
     def _handle(self, msg: protocol.Message) -> None:
-        handler = getattr(self, f"_do_{msg.type}", None)
+        handler = handlers.lookup(msg.type)
         self.current_parent = msg.id
         self.busy = True
         telemetry.set_activity(telemetry.request_activity(msg.type))
         status, value = "ok", None
         try:
             try:
-                if handler is None:
+                if handler is None or handler.thread is not handlers.Thread.MAIN:
                     raise ValueError(f"unknown request type {msg.type!r}")
-                value = handler(msg.content)
+                value = handler.fn(self, msg.content)
             except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
                 if isinstance(e, Exception) and type(e).__name__ != "BdbQuit":
                     # kept for `%mesh debug --post-mortem` (describe_failure clears it)
@@ -341,9 +357,7 @@ class Worker(WorkerIO):
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
         if isinstance(e, KeyboardInterrupt):  # maybe raised in a paused pdb: hide its frames
-            from monarch_kernel.debug.server import cut_debugger_frames
-
-            tb = cut_debugger_frames(tb)
+            tb = _cut_bdb_frames(tb)
             if not e.args:
                 e.args = ("interrupted",)
         text = ""
@@ -365,8 +379,6 @@ class Worker(WorkerIO):
                          + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
         exc: BaseException | None = e
         try:
-            from monarch_kernel.wire import serialize
-
             serialize.dumps(e)
         except SerializationError:
             exc = None
@@ -423,9 +435,6 @@ class Worker(WorkerIO):
             out.append(self.namespace[name])
         return out
 
-    def _do_setup(self, content: dict[str, Any]) -> None:
-        init_rank(self, content)  # torch.distributed (dist_setup)
-
     def _do_stop(self, content: Any) -> None:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -433,21 +442,6 @@ class Worker(WorkerIO):
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
-
-    def _do_spawn_actor(self, content: dict[str, Any]) -> Any:
-        from monarch_kernel.actor import actor_mesh as actor
-
-        return actor.spawn_local(self, content)  # {"peer": this worker's actor address}
-
-    def _do_stop_actor(self, content: dict[str, Any]) -> None:
-        from monarch_kernel.actor import actor_mesh as actor
-
-        actor.stop_local(self, content["name"])
-
-    def _do_ref(self, content: dict[str, Any]) -> Any:
-        from monarch_kernel.tensors import store as tensor_store
-
-        return tensor_store.handle(self, content)  # values kept for handles (tensors.py)
 
     def shutdown(self) -> None:
         """Flush what is queued and close the connection."""
@@ -463,6 +457,29 @@ class Worker(WorkerIO):
                 self.up.close(linger=2000)  # let the last reply leave
 
 
+handlers.register_request("execute", Worker._do_execute)
+handlers.register_request("push", Worker._do_push)
+handlers.register_request("pull", Worker._do_pull)
+handlers.register_request("stop", Worker._do_stop)
+
+
+def _cut_bdb_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of a paused debugger (from the first ``bdb``
+    frame on; an interrupt raised while pdb waited travels out through them).
+    Returns a new chain; ``tb`` is not changed."""
+    entries = []
+    t = tb
+    while t is not None and t.tb_frame.f_globals.get("__name__") != "bdb":
+        entries.append(t)
+        t = t.tb_next
+    if t is None:
+        return tb
+    out = None
+    for e in reversed(entries):
+        out = types.TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    return out
+
+
 def _type_name(obj: Any) -> str:
     t = obj if isinstance(obj, type) else type(obj)
     mod = t.__module__
@@ -472,8 +489,6 @@ def _type_name(obj: Any) -> str:
 def _unsendable(value: Any, names: list[str] | None = None) -> str:
     """Which part of ``value`` cannot be pickled, in words ("the result is a generator")."""
     if isinstance(value, (list, tuple)):
-        from monarch_kernel.wire import serialize
-
         for i, item in enumerate(value):
             try:
                 serialize.dumps(item)
@@ -495,23 +510,26 @@ def _sigint(signum: int, frame: Any) -> None:
 def _sigterm(signum: int, frame: Any) -> None:
     """SIGTERM (a restart, a launcher's stop): remove this process's shared-memory
     files (the pools of replies and of RDMABuffer reads), then die of the signal."""
-    from monarch_kernel.wire import shm
-
     try:
-        shm.cleanup()  # (takes no lock: the interrupted code may hold shm's)
+        _shm.cleanup()  # (takes no lock: the interrupted code may hold shm's)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m monarch_kernel.worker.worker``.
+    """Run a worker process until it stops (never returns: the process exits).
+
+    The entry point of ``python -m monarch_kernel worker``, which loads the
+    rank-side features (:mod:`monarch_kernel.plugins`) first; without them the
+    worker answers only ``execute``, ``push``, ``pull`` and ``stop``. The start
+    hooks that features registered run with the new worker before it serves.
 
     The mesh key is read from the environment variable ``MONARCH_MESH_KEY``
     (hex) and removed from the environment before any user code runs.
     """
     global current
-    p = argparse.ArgumentParser(prog="python -m monarch_kernel.worker.worker")
+    p = argparse.ArgumentParser(prog="python -m monarch_kernel worker")
     p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
@@ -558,9 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers
     current = w
     sys.modules["__main__"] = w.module
-    from monarch_kernel.debug import server as debug_server
-
-    debug_server.install(w)  # breakpoint() / pdb.set_trace() prompt in the notebook
+    handlers.run_start_hooks(w)  # e.g. breakpoint() prompts in the notebook (debug/)
     fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
     log_fd = os.environ.pop("MONARCH_LOG_FD", "")
     passive = os.environ.pop("MONARCH_OUTPUT_PIPES", "") == "controller"
@@ -570,16 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().handlers[0].setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
     signal.signal(signal.SIGTERM, _sigterm)
-    from monarch_kernel.worker import display
-
-    display.install()
+    display.install(w)
     code = w.serve()
     w.shutdown()
     _exit(code)
 
 
 if __name__ == "__main__":
-    # run the package's copy of this module, so `monarch_kernel.worker.worker.current` is the one set
-    from monarch_kernel.worker.worker import main as _main
-
-    sys.exit(_main())
+    # without the features (actors, tensors, the debugger...) this would be half a worker
+    sys.exit("run a worker with  python -m monarch_kernel worker ...  (it loads the rank-side "
+             "features first); monarch_kernel.worker.worker is not a program")
