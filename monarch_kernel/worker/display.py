@@ -31,12 +31,13 @@ _TARGET = "IPython.core.display_functions"
 
 
 class DisplaySink(Protocol):
-    """Where displays go: the worker of this process (its ``send`` and the
-    request the calling thread serves, ``current_parent``)."""
+    """Where displays go: the worker of this process."""
 
-    current_parent: str | None
+    def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
+        """Send a message to the controller (any thread)."""
 
-    def send(self, type: str, content: Any = None, parent: str | None = None) -> None: ...
+    def output_parent(self) -> str | None:
+        """The request the calling thread's output is credited to."""
 
 
 _sink: DisplaySink | None = None
@@ -46,7 +47,7 @@ def _send(content: dict[str, Any]) -> None:
     w = _sink
     if w is None:
         return
-    w.send("display", content, w.current_parent)
+    w.send("display", content, w.output_parent())
 
 
 def _format(obj: Any, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:

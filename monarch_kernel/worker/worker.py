@@ -25,6 +25,28 @@ actors
     One thread per actor (see :mod:`monarch_kernel.actor.actor_mesh`): an actor handles
     one message at a time, different actors run concurrently. Replies to a
     burst of quick calls leave several to a message (``replies``).
+
+Whose output is it
+------------------
+Each thread that serves a request (the main thread running a cell, an
+actor's thread running a call) sets its own parent, the request's id
+(:attr:`Worker.current_parent`, per thread). Output is credited so:
+
+* Python-level writes (``print``, ``sys.stdout``/``sys.stderr``, tracebacks)
+  of a thread that serves a request go to that request. While it has been
+  the only request running on the worker since it began they are written
+  to fd 1 or 2 (the cheap path, credited as below); once another request
+  ran at the same time, they are sent as ``stream`` messages tagged with
+  the thread's own request (until it ends), after everything written to
+  the fds before them.
+* What reaches fds 1 and 2 otherwise (C extensions, child processes,
+  threads that serve no request) cannot be told apart by thread: it goes to
+  the oldest request running on the worker when it is read (remote workers:
+  the worker reads it; it reads everything before each reply, so a reply
+  never overtakes it), or, with the controller reading a local worker's
+  pipes, to the rank's oldest unanswered request. With no request running
+  it is background output (rank-tagged lines in the notebook).
+* ``display()`` and debugger messages go to the calling thread's request.
 """
 
 from __future__ import annotations
@@ -173,7 +195,11 @@ class Worker(WorkerIO):
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
-        self.current_parent: str | None = None
+        #: thread ident -> the request it serves, oldest first (see current_parent)
+        self._parents: dict[int, str] = {}
+        #: requests that ran at the same time as another one, while they run
+        self._overlapped: set[str] = set()
+        self._parents_lock = threading.Lock()
         self.busy = False
         self.stopping = threading.Event()
         self.exit_code = 0
@@ -235,13 +261,63 @@ class Worker(WorkerIO):
         else:
             self.outbox.send(frames)
 
+    # ----------------------------------------------------------------- output
+    @property
+    def current_parent(self) -> str | None:
+        """The id of the request the calling thread serves (a cell, an actor's
+        call), or None; its output, displays and debugger messages are credited
+        to it (see the module docstring). Each thread has its own: setting it
+        (to None when the request ends) changes only the calling thread's."""
+        return self._parents.get(threading.get_ident())
+
+    @current_parent.setter
+    def current_parent(self, parent: str | None) -> None:
+        me = threading.get_ident()
+        with self._parents_lock:
+            old = self._parents.pop(me, None)
+            if old is not None and old not in self._parents.values():
+                self._overlapped.discard(old)
+            if parent is not None:
+                self._parents[me] = parent  # (last: the newest)
+                if len(self._parents) > 1:  # from now on each one's output goes apart
+                    self._overlapped.update(self._parents.values())
+
+    def output_parent(self) -> str | None:
+        """Where the calling thread's output goes: the request it serves, else
+        (a thread that serves none) the one fd-level output is credited to."""
+        return self._parents.get(threading.get_ident()) or self.fd_parent()
+
+    def fd_parent(self) -> str | None:
+        """The request that output read from fds 1 and 2 is credited to: the
+        oldest one running on this worker, or None (background output)."""
+        with self._parents_lock:
+            return next(iter(self._parents.values()), None)
+
     def _on_output(self, name: str, data: bytes) -> None:
         text = self._decoders[name].decode(data)
         if text:
             try:
-                self.send("stream", {"name": name, "text": text}, self.current_parent)
+                self.send("stream", {"name": name, "text": text}, self.fd_parent())
             except Exception:  # the connection is closing; nowhere to send it
                 pass
+
+    def _divert(self, name: str, text: str) -> bool:
+        """A Python-level write of ``text`` to ``name`` (stdout, stderr) by the
+        calling thread: if its request ran at the same time as another one,
+        send it as that request's output and return True; otherwise return
+        False (it is written to the fd)."""
+        if not self._overlapped:  # (a lock-free look: the usual case costs a set read)
+            return False
+        parent = self._parents.get(threading.get_ident())
+        if parent is None or parent not in self._overlapped:
+            return False  # a request alone since it began, or none: the fd's credit
+        try:
+            if self.capture is not None:
+                self.capture.drain()  # what reached the fds before comes first
+            self.send("stream", {"name": name, "text": text}, parent)
+        except Exception:  # noqa: BLE001 - the connection is closing: the fd takes it
+            return False
+        return True
 
     # ----------------------------------------------------------- main thread
     def serve(self) -> int:
@@ -581,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     log_fd = os.environ.pop("MONARCH_LOG_FD", "")
     passive = os.environ.pop("MONARCH_OUTPUT_PIPES", "") == "controller"
     read_fds = tuple(int(x) for x in fds.split(",")) if fds else None
-    w.capture = FdCapture(w._on_output, read_fds=read_fds,  # type: ignore[arg-type]
-                          log_fd=int(log_fd) if log_fd else None, passive=passive)
+    w.capture = FdCapture(w._on_output, read_fds=read_fds,
+                          log_fd=int(log_fd) if log_fd else None, passive=passive,
+                          divert=w._divert)
     logging.getLogger().handlers[0].setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
     signal.signal(signal.SIGTERM, _sigterm)
