@@ -86,6 +86,7 @@ def display(*objs: Any, include: Any = None, exclude: Any = None, metadata: dict
     if display_id:
         transient = dict(transient or {}, display_id=display_id)
     for obj in objs:
+        md: dict[str, Any]
         if raw:
             data, md = obj, {}
         else:

@@ -67,7 +67,7 @@ class Thread(enum.Enum):
 class IOHandler(Protocol):
     """Handles a message on the thread that leads the I/O (never blocks)."""
 
-    def __call__(self, worker: Worker, msg: Message) -> None: ...
+    def __call__(self, worker: Worker, msg: Message, /) -> None: ...
 
 
 class RequestHandler(Protocol):
@@ -75,20 +75,20 @@ class RequestHandler(Protocol):
 
     An exception it raises becomes an error reply."""
 
-    def __call__(self, worker: Worker, content: Any) -> Any: ...
+    def __call__(self, worker: Worker, content: Any, /) -> Any: ...
 
 
 class StartHook(Protocol):
     """Called once with the worker of this process, before it serves."""
 
-    def __call__(self, worker: Worker) -> None: ...
+    def __call__(self, worker: Worker, /) -> None: ...
 
 
 class FdReader(Protocol):
     """Reads a ready fd the worker's I/O poll watches for a feature; False if
     the fd is not one of the feature's (the caller then stops watching it)."""
 
-    def __call__(self, fd: int) -> bool: ...
+    def __call__(self, fd: int, /) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -56,7 +56,7 @@ def _peer_lead() -> bool:
         return False
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """Leave the process now (no atexit handlers), removing its shared-memory files."""
     try:
         shm.cleanup()

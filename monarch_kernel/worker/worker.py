@@ -483,8 +483,9 @@ class Worker(WorkerIO):
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         tree = ast.parse(code, filename, "exec")
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        if tree.body and isinstance(end := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(end.value)
         value = None
         if tree.body:
             self._run_code(compile(tree, filename, "exec", flags=flags))
@@ -656,11 +657,16 @@ def main(argv: list[str] | None = None) -> int:
     fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
     log_fd = os.environ.pop("MONARCH_LOG_FD", "")
     passive = os.environ.pop("MONARCH_OUTPUT_PIPES", "") == "controller"
-    read_fds = tuple(int(x) for x in fds.split(",")) if fds else None
+    read_fds = None
+    if fds:
+        out_fd, err_fd = (int(x) for x in fds.split(","))
+        read_fds = (out_fd, err_fd)
     w.capture = FdCapture(w._on_output, read_fds=read_fds,
                           log_fd=int(log_fd) if log_fd else None, passive=passive,
                           divert=w._divert)
-    logging.getLogger().handlers[0].setStream(w.capture.log_stream())
+    handler = logging.getLogger().handlers[0]
+    if isinstance(handler, logging.StreamHandler):
+        handler.setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
     signal.signal(signal.SIGTERM, _sigterm)
     display.install(w)
