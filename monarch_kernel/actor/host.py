@@ -379,7 +379,7 @@ def dispatch_call(worker: Any, msg: Any) -> None:
         if c["sys"] == "dead":
             if host is not None:
                 host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
-            from monarch_kernel.actor import mesh_keys  # meshes this worker spawned wait on it too, maybe
+            from monarch_kernel.actor import mesh_keys  # (meshes this worker spawned may wait)
 
             mesh_keys.pass_down({**c, "mesh": c.get("mesh") or worker.codec.fingerprint})
         return
