@@ -13,6 +13,8 @@ import os
 import socket
 from typing import Any
 
+from monarch_kernel.tensors import store as tensor_store
+from monarch_kernel.util import gpu
 from monarch_kernel.worker import handlers
 
 __all__ = ["DIST_BACKENDS", "init_rank", "setup_mesh"]
@@ -82,8 +84,7 @@ def init_rank(worker: Any, content: dict[str, Any]) -> None:
                     f"--dist nccl needs a GPU, but rank {worker.rank} sees none; "
                     "use --dist gloo on CPU-only machines"
                 )
-            from monarch_kernel.util import gpu  # every thread of the rank: actors, telemetry, arrivals
-
+            # every thread of the rank: actors, telemetry, arrivals
             gpu.assign(local_rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
@@ -95,8 +96,7 @@ def init_rank(worker: Any, content: dict[str, Any]) -> None:
             _check_one_gpu_per_rank(dist, torch, worker.rank, worker.world_size)
         worker.namespace.setdefault("dist", dist)
         worker.namespace.setdefault("torch", torch)
-        from monarch_kernel.tensors import store as tensor_store  # the mesh's named dimensions as a DeviceMesh
-
+        # the mesh's named dimensions as a DeviceMesh
         worker.namespace["device_mesh"] = tensor_store.init_device_mesh(worker.shape, backend)
 
 
