@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from monarch_kernel import plugins  # noqa: F401 - the rank-side features register their handlers
+from monarch_kernel.worker import worker as worker_main
+
 
 def _install(argv: list[str]) -> int:
     from monarch_kernel.kernel.kernelspec import DISPLAY_NAME, KERNEL_NAME, install
@@ -56,9 +59,8 @@ def _install(argv: list[str]) -> int:
 
 
 def _worker(argv: list[str]) -> int:
-    from monarch_kernel.worker.worker import main
-
-    return int(main(argv) or 0)
+    """One mesh worker: it serves with the rank-side features that ``plugins`` loaded."""
+    return int(worker_main.main(argv) or 0)
 
 
 COMMANDS = {"install": _install, "worker": _worker}

@@ -155,7 +155,7 @@ sleep 1
     step "summary"
     printf '%s\n' "${summary[@]}"
     echo "exit status: $status (124: a step ran out of time)"
-    echo "worker processes left: $(pgrep -f 'monarch_kernel[.]worker' | tr '\n' ' ')"
+    echo "worker processes left: $(pgrep -f '[-]m monarch_kernel worker' | tr '\n' ' ')"
     echo "/dev/shm/monarch-* left: $(find /dev/shm -maxdepth 1 -name 'monarch-*' 2>/dev/null | wc -l)"
 } 2>&1 | tee "$OUT/summary.txt"
 exit "$status"

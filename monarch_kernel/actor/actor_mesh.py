@@ -83,6 +83,7 @@ from monarch_kernel.wire.serialize import Packed, cuda_ipc
 from monarch_kernel.wire.sources import has_code, sources_for
 from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
                                           SOURCES, UID, WAITED, Call, StopActor)
+from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -217,8 +218,7 @@ def note_broadcast_failure(uid: str, err: ActorError) -> None:
 
 
 def _current_worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    return getattr(mod, "current", None) if mod is not None else None
+    return current_worker()
 
 
 def on_a_rank() -> bool:

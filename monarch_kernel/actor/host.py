@@ -42,7 +42,7 @@ from monarch_kernel.actor import peers as actor_peers
 from monarch_kernel.actor.context import context
 from monarch_kernel.actor.rref import keep_result
 from monarch_kernel.util import gpu
-from monarch_kernel.worker import telemetry
+from monarch_kernel.worker import handlers, telemetry
 from monarch_kernel.actor.peers import answer, failure_of, peer_host, reject
 from monarch_kernel.actor.peers import stats
 from monarch_kernel.errors import SerializationError
@@ -474,3 +474,14 @@ def actor_point() -> tuple[Point, dict[str, int]] | None:
         return next(p for p in shape.points() if p.rank == w.rank), shape.dims
     return None
 
+
+# ------------------------------------------------- the worker's handlers (plug-in)
+def _stop_actor(worker: Any, content: dict[str, Any]) -> None:
+    stop_local(worker, content["name"])
+
+
+handlers.register_io("call", dispatch_call)  # to the actor's queue
+handlers.register_io("calls", dispatch_calls)  # a batch (controller.batching), in order
+handlers.register_io("rank_dead", dispatch_rank_dead)  # calls waiting on a dead rank fail
+handlers.register_request("spawn_actor", spawn_local)  # {"peer": this worker's actor address}
+handlers.register_request("stop_actor", _stop_actor)

@@ -33,7 +33,6 @@ the key cannot be learned. A handle of a mesh that no introduction covered
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import weakref
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.transport.sockets import is_loopback
 from monarch_kernel.wire.messages import Keys, RankDead
+from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.mesh_keys")
 
@@ -65,8 +65,7 @@ def peer_address(ctl: Any, rank: int) -> str | None:
 
 
 def _current_worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    return getattr(mod, "current", None) if mod is not None else None
+    return current_worker()
 
 
 def check_known(w: Any, mesh: str | None, what: str) -> None:

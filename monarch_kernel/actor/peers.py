@@ -43,7 +43,9 @@ from typing import Any
 
 import zmq
 
+from monarch_kernel.actor import mesh_keys
 from monarch_kernel.actor.mesh_keys import check_known
+from monarch_kernel.worker import handlers
 from monarch_kernel.transport import peer_lanes
 from monarch_kernel.transport import lane as _lane
 from monarch_kernel.wire import shm as _shm
@@ -500,3 +502,29 @@ def reject(w: Any, mid: str, c: Call, route: list[bytes] | None) -> None:
 def address_host(address: str) -> str:
     """``tcp://10.0.0.2:5555|KEY;NAME`` -> ``10.0.0.2``."""
     return address.split(";", 1)[0].split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]
+
+
+# ------------------------------------------------- the worker's handlers (plug-in)
+def _on_keys(worker: Any, msg: Any) -> None:
+    """``keys``: keys of this program's other meshes added or dropped (mesh_keys.py)."""
+    c = msg.content
+    dropped = list(c.get("drop") or ())
+    worker.dropped_keys.update(dropped)
+    worker.keyring.update({fp: k for fp, k in (c.get("add") or {}).items()
+                           if fp not in worker.dropped_keys})  # (a late add: ignored)
+    host = _host
+    for fp in dropped:
+        worker.keyring.pop(fp, None)
+        if host is not None:
+            host.forget(fp)
+    mesh_keys.pass_down(c)  # to meshes this worker spawned, if any
+
+
+def _read_shared(fd: int) -> bool:
+    """A peer lane the worker's leading thread found ready (see PeerIO.read_shared)."""
+    host = _host
+    return host is not None and host.read_shared(fd)
+
+
+handlers.register_io("keys", _on_keys)
+handlers.register_fd_reader(_read_shared)

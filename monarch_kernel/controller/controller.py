@@ -502,6 +502,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                 self._on_reply(info, parent, status, value)
             return
         if t == "stream":
+            self._drain_pipes(rank)  # what it wrote to its fds before comes first
             c = msg.content
             self._deliver_stream(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
             return

@@ -58,6 +58,7 @@ from typing import Any
 from monarch_kernel.actor.context import current_actor
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.worker import telemetry
+from monarch_kernel.worker import handlers
 
 __all__ = [
     "RemotePdb",
@@ -531,3 +532,12 @@ def uninstall() -> None:
 
 # BdbQuit is what ``q`` raises in the paused code; re-exported for callers
 BdbQuit = bdb.BdbQuit
+
+
+# ------------------------------------------------- the worker's handlers (plug-in)
+def _on_debug_input(worker: Any, msg: Any) -> None:
+    deliver(msg.content)  # the paused thread waits in pdb: hand it the line
+
+
+handlers.register_io("debug_input", _on_debug_input)
+handlers.register_start(install)  # breakpoint() / pdb.set_trace() prompt in the notebook

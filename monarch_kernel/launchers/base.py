@@ -1,6 +1,6 @@
 """The launcher interface: how worker processes are started, watched and stopped.
 
-A launcher starts ``python -m monarch_kernel.worker.worker`` once per rank on some
+A launcher starts ``python -m monarch_kernel worker`` once per rank on some
 engine (local subprocesses, Slurm, ...). Workers connect back to the
 controller's address; the launcher only has to start them, say where they
 run, signal them, report exits it can see, and clean up. Adding Kubernetes
@@ -79,7 +79,7 @@ class Placement:
 def worker_command(spec: LaunchSpec, rank: int | None = None, python: str | None = None
                    ) -> list[str]:
     """The argv of one worker (``rank`` None: taken from the environment)."""
-    cmd = [python or sys.executable, "-m", "monarch_kernel.worker.worker",
+    cmd = [python or sys.executable, "-m", "monarch_kernel", "worker",
            "--controller", spec.address,
            "--world-size", str(spec.world_size),
            "--shape", ",".join(f"{k}={v}" for k, v in spec.shape.items()),

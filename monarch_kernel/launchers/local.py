@@ -23,7 +23,7 @@ __all__ = ["LocalLauncher"]
 
 
 class LocalLauncher(Launcher):
-    """Start each rank as ``python -m monarch_kernel.worker.worker`` on this host.
+    """Start each rank as ``python -m monarch_kernel worker`` on this host.
 
     Workers get their own session (so a Ctrl-C meant for the controller is
     not delivered to them directly: interrupts are routed) and watch the

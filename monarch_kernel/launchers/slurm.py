@@ -5,7 +5,7 @@ Outside an allocation, :meth:`SlurmLauncher.launch` submits a batch job with
 an existing allocation (``SLURM_JOB_ID`` set, e.g. under ``salloc``) it starts
 that step with ``srun`` directly. Each task computes its rank from
 ``SLURM_PROCID`` (block distribution: ranks are host-major), then execs
-``python -m monarch_kernel.worker.worker``, which connects back to the controller.
+``python -m monarch_kernel worker``, which connects back to the controller.
 The mesh key reaches workers through the job's environment (``--export=ALL``)
 or, with ``key_dir``, through a 0600 file on a shared file system; never
 through argv or the batch script.

@@ -8,7 +8,7 @@ compose what is submitted, without running anything:
 * :func:`task_script`: the bash each task runs: its rank from
   ``SLURM_PROCID`` (block distribution: ranks are host-major), the rank's
   environment, the mesh key from the key file if there is one, then ``exec
-  python -m monarch_kernel.worker.worker --rank R``;
+  python -m monarch_kernel worker --rank R``;
 * :func:`geometry`: ``--nodes``, ``--ntasks`` (and ``--ntasks-per-node``);
 * :func:`batch_script` and :func:`sbatch_command`: a batch job whose script
   runs one ``srun`` step with one task per rank;

@@ -16,6 +16,7 @@ from typing import Any
 from monarch_kernel.errors import raise_request_failures
 from monarch_kernel.tensors import store as tensor_store
 from monarch_kernel.util import gpu
+from monarch_kernel.worker import handlers
 
 __all__ = ["DIST_BACKENDS", "init_rank", "setup_mesh"]
 
@@ -162,3 +163,6 @@ def _check_one_gpu_per_rank(dist: Any, torch: Any, rank: int, world_size: int) -
             f"and this host shows only {count} GPU(s); spawn at most {count} rank(s) per "
             "host, or use --dist gloo"
         )
+
+
+handlers.register_request("setup", init_rank)  # torch.distributed on a rank (worker plug-in)

@@ -32,7 +32,6 @@ when the data is ready (an endpoint call does).
 from __future__ import annotations
 
 import secrets
-import sys
 from typing import Any
 
 from monarch_kernel.actor.future import Future, check_timeout
@@ -49,6 +48,7 @@ from monarch_kernel.tensors.memory import (
     registered,
     unregister,
 )
+from monarch_kernel.worker.worker import current_worker
 
 __all__ = ["RDMABuffer", "registered", "unregister"]
 
@@ -57,8 +57,7 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 def _worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    w = getattr(mod, "current", None) if mod is not None else None
+    w = current_worker()
     if w is None:
         raise MeshError("RDMABuffer works on the ranks of a mesh: register, read, write and "
                         "drop buffers in actor endpoints or %%mesh cells (the controller can "

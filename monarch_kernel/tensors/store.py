@@ -38,6 +38,8 @@ from typing import Any
 from monarch_kernel.actor.rref import set_result_keeper
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.wire.messages import Ref
+from monarch_kernel.worker import handlers
+from monarch_kernel.worker.worker import current_worker
 
 __all__ = ["describe", "device_mesh", "free", "handle", "init_device_mesh", "keep", "local_ids",
            "resolve", "set_controller_rebuild"]
@@ -92,8 +94,7 @@ def device_mesh() -> Any:
         On the controller, or on a mesh spawned without ``--dist``.
     """
     if _device_mesh is None:
-        if sys.modules.get("monarch_kernel.worker.worker") is None or \
-                sys.modules["monarch_kernel.worker.worker"].current is None:
+        if current_worker() is None:
             raise RuntimeError("device_mesh() works on the ranks of a mesh (in a %%mesh cell "
                                "or an actor), not on the controller")
         raise RuntimeError("this mesh has no torch.distributed set-up; spawn it with "
@@ -122,13 +123,8 @@ def local_ids() -> list[str]:
         return list(_store)
 
 
-def _current_worker() -> Any:
-    mod = sys.modules.get("monarch_kernel.worker.worker")
-    return getattr(mod, "current", None) if mod is not None else None
-
-
 def _current_rank() -> int | None:
-    w = _current_worker()
+    w = current_worker()
     return None if w is None else w.rank
 
 
@@ -169,7 +165,7 @@ def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
     MeshFailure
         When the rank no longer holds the value (freed, or the rank restarted).
     """
-    w = _current_worker()
+    w = current_worker()
     if w is None:
         if _controller_rebuild is None:  # (no handle was ever made in this process)
             raise MeshError(f"handle {label!r} was freed; its values are gone")
@@ -378,3 +374,12 @@ def group_ranks(dims: dict[str, int], rank: int, over: list[str]) -> list[int]:
         idx = range(size) if name in over else [c]
         out = [o + i * st for o in out for i in idx]
     return sorted(out)
+
+
+# ------------------------------------------------- the worker's handlers (plug-in)
+def _on_free(worker: Any, msg: Any) -> None:
+    free(msg.content["ids"])  # handles gone on the controller: drop their kept values
+
+
+handlers.register_io("free", _on_free)
+handlers.register_request("ref", handle)  # values kept for handles (tensors.handles)

@@ -36,15 +36,20 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.0
         time.sleep(interval)
 
 
+def is_worker_cmdline(cmd: list[str]) -> bool:
+    """Whether argv ``cmd`` runs a mesh worker (``python -m monarch_kernel worker ...``)."""
+    return any(cmd[i:i + 3] == ["-m", "monarch_kernel", "worker"] for i in range(len(cmd)))
+
+
 def worker_pids(parent: int | None = None) -> list[int]:
-    """Pids of live ``monarch_kernel.worker.worker`` processes (optionally only those
-    started with ``--controller-pid parent``)."""
+    """Pids of live mesh worker processes (``python -m monarch_kernel worker``;
+    optionally only those started with ``--controller-pid parent``)."""
     out = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = p.info.get("cmdline") or []
-        if ("monarch_kernel.worker.worker" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE
-                and (parent is None or str(parent) in cmd)):
-            out.append(p.info["pid"])
+        if is_worker_cmdline(cmd) and p.info.get("status") != psutil.STATUS_ZOMBIE:
+            if parent is None or str(parent) in cmd:
+                out.append(p.info["pid"])
     return out
 
 

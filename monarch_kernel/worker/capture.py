@@ -11,6 +11,12 @@ fds 1 and 2 are pipes whose read ends only the controller holds, so what a
 rank wrote just before dying is never lost in the worker; the controller
 reads everything a rank wrote before handling its reply. Here, the worker
 only makes Python's streams write straight through to those fds.
+
+Python's ``sys.stdout`` and ``sys.stderr`` become :class:`DivertingStream`
+objects: each write is first offered to ``divert`` (when given), which may
+send it itself -- the worker does so for a thread whose output must be
+credited to its own request while others run (fds cannot tell threads
+apart); what it declines is written to the fd.
 """
 
 from __future__ import annotations
@@ -22,9 +28,38 @@ import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["FdCapture"]
+__all__ = ["DivertingStream", "FdCapture"]
 
 CHUNK = 65536
+
+
+class DivertingStream(io.TextIOWrapper):
+    """A write-through text stream on fd 1 or 2 whose writes ``divert`` may take.
+
+    Parameters
+    ----------
+    fd : int
+        1 (``"stdout"``) or 2 (``"stderr"``).
+    errors : str
+        The encoder's error handler.
+    divert : callable(name: str, text: str) -> bool, optional
+        Called with the stream's name and each text written; True means it
+        sent the text itself, which is then not written to the fd. Must not
+        write to this stream.
+    """
+
+    def __init__(self, fd: int, errors: str,
+                 divert: Callable[[str, str], bool] | None = None) -> None:
+        super().__init__(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors=errors,
+                         line_buffering=True, write_through=True)
+        self.stream_name = "stdout" if fd == 1 else "stderr"
+        self.divert = divert
+
+    def write(self, s: str) -> int:
+        divert = self.divert
+        if divert is not None and s and divert(self.stream_name, s):
+            return len(s)
+        return super().write(s)
 
 
 class FdCapture:
@@ -42,11 +77,14 @@ class FdCapture:
         Where the worker's own log goes; the original fd 2 by default.
     passive : bool
         fds 1 and 2 are read by the controller: read nothing here.
+    divert : callable(name: str, text: str) -> bool, optional
+        Offered each Python-level write first (see :class:`DivertingStream`).
     """
 
     def __init__(self, on_output: Callable[[str, bytes], None],
                  read_fds: tuple[int, int] | None = None, log_fd: int | None = None,
-                 passive: bool = False) -> None:
+                 passive: bool = False,
+                 divert: Callable[[str, str], bool] | None = None) -> None:
         self._on_output = on_output
         self._lock = threading.Lock()
         self.original: dict[int, int] = {}
@@ -68,14 +106,8 @@ class FdCapture:
             self._read[r] = name
         self._log_fd = log_fd if log_fd is not None else self.original.get(2, 2)
         # Python-level streams write straight through to the captured fds
-        sys.stdout = io.TextIOWrapper(
-            io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace",
-            line_buffering=True, write_through=True,
-        )
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-            line_buffering=True, write_through=True,
-        )
+        sys.stdout = DivertingStream(1, "replace", divert)
+        sys.stderr = DivertingStream(2, "backslashreplace", divert)
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="monarch-capture", daemon=True)

@@ -20,22 +20,34 @@ import base64
 import importlib.abc
 import importlib.util
 import io
+import os
 import sys
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["clear_output", "display", "install", "publish_display_data", "update_display"]
 
 _TARGET = "IPython.core.display_functions"
 
 
-def _send(content: dict[str, Any]) -> None:
-    from monarch_kernel.worker import worker
+class DisplaySink(Protocol):
+    """Where displays go: the worker of this process."""
 
-    w = worker.current
+    def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
+        """Send a message to the controller (any thread)."""
+
+    def output_parent(self) -> str | None:
+        """The request the calling thread's output is credited to."""
+
+
+_sink: DisplaySink | None = None
+
+
+def _send(content: dict[str, Any]) -> None:
+    w = _sink
     if w is None:
         return
-    w.send("display", content, w.current_parent)
+    w.send("display", content, w.output_parent())
 
 
 def _format(obj: Any, include: Any = None, exclude: Any = None) -> tuple[dict, dict]:
@@ -74,6 +86,7 @@ def display(*objs: Any, include: Any = None, exclude: Any = None, metadata: dict
     if display_id:
         transient = dict(transient or {}, display_id=display_id)
     for obj in objs:
+        md: dict[str, Any]
         if raw:
             data, md = obj, {}
         else:
@@ -131,10 +144,12 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install() -> None:
-    """Route IPython display calls and matplotlib's ``show()`` to the controller."""
-    import os
-
+def install(sink: DisplaySink) -> None:
+    """Route IPython display calls and matplotlib's ``show()`` to ``sink`` (the
+    worker of this process), as ``display`` messages of the request that the
+    displaying thread serves."""
+    global _sink
+    _sink = sink
     os.environ.setdefault("MPLBACKEND", "module://monarch_kernel.worker.display")
     if _TARGET in sys.modules:
         _patch(sys.modules[_TARGET])

@@ -10,7 +10,7 @@ thread, which runs cells, while the worker has no actor. The I/O thread
 takes the lead again 10-30 ms after the actor stopped leading (while the
 actor runs a call).
 
-Peer lanes (:mod:`monarch_kernel.actor.peers`) are watched here too, as well
+Peer lanes (actors' calls between workers) are watched here too, as well
 as by the peer I/O thread, with ``EPOLLEXCLUSIVE``, this worker's poller
 first: a call from a peer wakes the idle actor's thread, which runs it with
 no hand-off; a thread that made a peer call and waits for its reply leads
@@ -31,13 +31,16 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
-from monarch_kernel.wire import protocol
 from monarch_kernel.errors import ProtocolError
 from monarch_kernel.transport.sockets import FdPoller, drain, send_frames
+from monarch_kernel.util.switches import peer_lead_enabled
+from monarch_kernel.wire import protocol, shm
+from monarch_kernel.wire.shm import NAME_RE
+from monarch_kernel.worker import handlers
 
 log = logging.getLogger("monarch_kernel.worker.worker")
 
@@ -47,18 +50,14 @@ __all__ = ["WorkerIO"]
 def _peer_lead() -> bool:
     """Whether threads that lead read peer lanes too (``MONARCH_PEER_LEAD``,
     checked when the mesh was spawned: a bad value here leaves them off)."""
-    from monarch_kernel.util.switches import peer_lead_enabled
-
     try:
         return peer_lead_enabled()
     except ValueError:
         return False
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int) -> NoReturn:
     """Leave the process now (no atexit handlers), removing its shared-memory files."""
-    from monarch_kernel.wire import shm
-
     try:
         shm.cleanup()
     finally:
@@ -232,11 +231,9 @@ class WorkerIO:
             lane_fd = self.lane.fileno()
             incoming = self.lane.read() if events.get(lane_fd) else []
             if len(events) > (self.pull in events) + (lane_fd in events):
-                from monarch_kernel.actor.peers import _host
-
                 for obj in events:  # peer lanes (see the module docstring)
-                    if isinstance(obj, int) and obj != lane_fd and (
-                            _host is None or not _host.read_shared(obj)):
+                    if isinstance(obj, int) and obj != lane_fd and not \
+                            handlers.read_shared_fd(obj):
                         poller.unregister(obj)  # (a lane closed meanwhile: the fd is stale)
         else:
             incoming = drain(self.dealer, small=1) if self.dealer in events else ()
@@ -286,56 +283,26 @@ class WorkerIO:
         return True
 
     def _dispatch(self, msg: protocol.Message) -> None:
-        if msg.type == "heartbeat":
-            return
-        if msg.type == "interrupt":
-            if self.busy:
-                signal.pthread_kill(self.main_thread_id, signal.SIGINT)
-            return
-        if msg.type == "call":
-            from monarch_kernel.actor import actor_mesh as actor
+        """Route ``msg``: its I/O-thread handler runs now; anything else is a
+        request for the main thread's queue (see :mod:`monarch_kernel.worker.handlers`)."""
+        handler = handlers.lookup(msg.type)
+        if handler is not None and handler.thread is handlers.Thread.IO:
+            handler.fn(self, msg)
+        else:
+            self.requests.put(msg)
 
-            actor.dispatch_call(self, msg)
-            return
-        if msg.type == "rank_dead":  # a rank died: calls waiting on it fail (actor.host)
-            from monarch_kernel.actor import host as actor_host
 
-            actor_host.dispatch_rank_dead(self, msg)
-            return
-        if msg.type == "calls":  # a batch of calls (monarch_kernel.controller.batching): in order
-            from monarch_kernel.actor import host as actor_host
+def _on_interrupt(worker: Any, msg: protocol.Message) -> None:
+    """Interrupt the main thread while it runs a request (SIGINT to it)."""
+    if worker.busy:
+        signal.pthread_kill(worker.main_thread_id, signal.SIGINT)
 
-            actor_host.dispatch_calls(self, msg)
-            return
-        if msg.type == "debug_input":  # the paused thread waits in pdb: hand it the line
-            from monarch_kernel.debug import server as debug_server
 
-            debug_server.deliver(msg.content)
-            return
-        if msg.type == "shm_done":  # the controller copied a reply's pooled files
-            from monarch_kernel.wire.shm import NAME_RE
+def _on_shm_done(worker: Any, msg: protocol.Message) -> None:
+    """The controller copied a reply's pooled files: they may be reused."""
+    worker.codec.release_shm([n for n in msg.content["names"] if NAME_RE.match(n)])
 
-            self.codec.release_shm([n for n in msg.content["names"] if NAME_RE.match(n)])
-            return
-        if msg.type == "keys":  # other meshes of this program (mesh_keys.py)
-            from monarch_kernel.actor import peers as actor_peers
-            from monarch_kernel.actor import mesh_keys
 
-            c = msg.content
-            dropped = list(c.get("drop") or ())
-            self.dropped_keys.update(dropped)
-            self.keyring.update({fp: k for fp, k in (c.get("add") or {}).items()
-                                 if fp not in self.dropped_keys})  # (a late add: ignored)
-            host = actor_peers._host
-            for fp in dropped:
-                self.keyring.pop(fp, None)
-                if host is not None:
-                    host.forget(fp)
-            mesh_keys.pass_down(c)  # to meshes this worker spawned, if any
-            return
-        if msg.type == "free":  # handles gone on the controller: drop their kept values
-            from monarch_kernel.tensors import store as tensor_store
-
-            tensor_store.free(msg.content["ids"])
-            return
-        self.requests.put(msg)
+handlers.register_io("heartbeat", lambda worker, msg: None)  # (it was heard: enough)
+handlers.register_io("interrupt", _on_interrupt)
+handlers.register_io("shm_done", _on_shm_done)

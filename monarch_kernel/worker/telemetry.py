@@ -61,6 +61,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from monarch_kernel.util import gpu
+
 log = logging.getLogger("monarch_kernel.worker.telemetry")
 
 __all__ = [
@@ -213,8 +215,6 @@ class GpuProbe:
             return None
 
     def _torch_device(self) -> int | None:
-        from monarch_kernel.util import gpu
-
         if gpu.assigned() is not None:  # (this thread's current device may be another)
             return gpu.assigned()
         torch = sys.modules.get("torch")

@@ -1,4 +1,9 @@
-"""The worker process: one per rank (``python -m monarch_kernel.worker.worker``).
+"""The worker process: one per rank (``python -m monarch_kernel worker``).
+
+The worker core runs cells (``execute``), ``push``, ``pull`` and ``stop``;
+every feature above it (actors, tensor handles, the remote debugger,
+torch.distributed set-up) plugs in through :mod:`monarch_kernel.worker.handlers`
+when the process's composition root (:mod:`monarch_kernel.plugins`) imports it.
 
 Threads
 -------
@@ -20,6 +25,28 @@ actors
     One thread per actor (see :mod:`monarch_kernel.actor.actor_mesh`): an actor handles
     one message at a time, different actors run concurrently. Replies to a
     burst of quick calls leave several to a message (``replies``).
+
+Whose output is it
+------------------
+Each thread that serves a request (the main thread running a cell, an
+actor's thread running a call) sets its own parent, the request's id
+(:attr:`Worker.current_parent`, per thread). Output is credited so:
+
+* Python-level writes (``print``, ``sys.stdout``/``sys.stderr``, tracebacks)
+  of a thread that serves a request go to that request. While it has been
+  the only request running on the worker since it began they are written
+  to fd 1 or 2 (the cheap path, credited as below); once another request
+  ran at the same time, they are sent as ``stream`` messages tagged with
+  the thread's own request (until it ends), after everything written to
+  the fds before them.
+* What reaches fds 1 and 2 otherwise (C extensions, child processes,
+  threads that serve no request) cannot be told apart by thread: it goes to
+  the oldest request running on the worker when it is read (remote workers:
+  the worker reads it; it reads everything before each reply, so a reply
+  never overtakes it), or, with the controller reading a local worker's
+  pipes, to the rank's oldest unanswered request. With no request running
+  it is background output (rank-tagged lines in the notebook).
+* ``display()`` and debugger messages go to the calling thread's request.
 """
 
 from __future__ import annotations
@@ -45,17 +72,22 @@ from typing import Any
 
 import zmq
 
-from monarch_kernel.wire import protocol
-from monarch_kernel.worker import telemetry
-from monarch_kernel.wire import shm as _shm
-from monarch_kernel.worker.capture import FdCapture
-from monarch_kernel.mesh.dist_setup import init_rank
 from monarch_kernel.errors import RemoteError, SerializationError, ranks_label
 from monarch_kernel.transport.lane import Lane
-from monarch_kernel.worker.sched import batch_scheduling
+from monarch_kernel.transport.sockets import (
+    FdPoller,
+    Outbox,
+    connect_dealer,
+    inproc_pair,
+    send_frames,
+)
+from monarch_kernel.wire import protocol, serialize
+from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.serialize import cuda_ipc, reply_content
-from monarch_kernel.transport.sockets import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
+from monarch_kernel.worker import display, handlers, telemetry
+from monarch_kernel.worker.capture import FdCapture
 from monarch_kernel.worker.io import WorkerIO, exit_process
+from monarch_kernel.worker.sched import batch_scheduling
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 log = logging.getLogger("monarch_kernel.worker.worker")
@@ -75,8 +107,14 @@ def _forked() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
-#: the running worker of this process (None outside a worker)
+#: the running worker of this process (None outside a worker); see current_worker()
 current: Worker | None = None
+
+
+def current_worker() -> Worker | None:
+    """The :class:`Worker` of this process, or None outside a worker process
+    (on the controller, in a test) and before the worker's main made it."""
+    return current
 
 
 class Worker(WorkerIO):
@@ -157,7 +195,11 @@ class Worker(WorkerIO):
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
         self.requests: queue.Queue[protocol.Message | None] = queue.Queue()
-        self.current_parent: str | None = None
+        #: thread ident -> the request it serves, oldest first (see current_parent)
+        self._parents: dict[int, str] = {}
+        #: requests that ran at the same time as another one, while they run
+        self._overlapped: set[str] = set()
+        self._parents_lock = threading.Lock()
         self.busy = False
         self.stopping = threading.Event()
         self.exit_code = 0
@@ -219,13 +261,63 @@ class Worker(WorkerIO):
         else:
             self.outbox.send(frames)
 
+    # ----------------------------------------------------------------- output
+    @property
+    def current_parent(self) -> str | None:
+        """The id of the request the calling thread serves (a cell, an actor's
+        call), or None; its output, displays and debugger messages are credited
+        to it (see the module docstring). Each thread has its own: setting it
+        (to None when the request ends) changes only the calling thread's."""
+        return self._parents.get(threading.get_ident())
+
+    @current_parent.setter
+    def current_parent(self, parent: str | None) -> None:
+        me = threading.get_ident()
+        with self._parents_lock:
+            old = self._parents.pop(me, None)
+            if old is not None and old not in self._parents.values():
+                self._overlapped.discard(old)
+            if parent is not None:
+                self._parents[me] = parent  # (last: the newest)
+                if len(self._parents) > 1:  # from now on each one's output goes apart
+                    self._overlapped.update(self._parents.values())
+
+    def output_parent(self) -> str | None:
+        """Where the calling thread's output goes: the request it serves, else
+        (a thread that serves none) the one fd-level output is credited to."""
+        return self._parents.get(threading.get_ident()) or self.fd_parent()
+
+    def fd_parent(self) -> str | None:
+        """The request that output read from fds 1 and 2 is credited to: the
+        oldest one running on this worker, or None (background output)."""
+        with self._parents_lock:
+            return next(iter(self._parents.values()), None)
+
     def _on_output(self, name: str, data: bytes) -> None:
         text = self._decoders[name].decode(data)
         if text:
             try:
-                self.send("stream", {"name": name, "text": text}, self.current_parent)
+                self.send("stream", {"name": name, "text": text}, self.fd_parent())
             except Exception:  # the connection is closing; nowhere to send it
                 pass
+
+    def _divert(self, name: str, text: str) -> bool:
+        """A Python-level write of ``text`` to ``name`` (stdout, stderr) by the
+        calling thread: if its request ran at the same time as another one,
+        send it as that request's output and return True; otherwise return
+        False (it is written to the fd)."""
+        if not self._overlapped:  # (a lock-free look: the usual case costs a set read)
+            return False
+        parent = self._parents.get(threading.get_ident())
+        if parent is None or parent not in self._overlapped:
+            return False  # a request alone since it began, or none: the fd's credit
+        try:
+            if self.capture is not None:
+                self.capture.drain()  # what reached the fds before comes first
+            self.send("stream", {"name": name, "text": text}, parent)
+        except Exception:  # noqa: BLE001 - the connection is closing: the fd takes it
+            return False
+        return True
 
     # ----------------------------------------------------------- main thread
     def serve(self) -> int:
@@ -275,16 +367,16 @@ class Worker(WorkerIO):
             os._exit(0)
 
     def _handle(self, msg: protocol.Message) -> None:
-        handler = getattr(self, f"_do_{msg.type}", None)
+        handler = handlers.lookup(msg.type)
         self.current_parent = msg.id
         self.busy = True
         telemetry.set_activity(telemetry.request_activity(msg.type))
         status, value = "ok", None
         try:
             try:
-                if handler is None:
+                if handler is None or handler.thread is not handlers.Thread.MAIN:
                     raise ValueError(f"unknown request type {msg.type!r}")
-                value = handler(msg.content)
+                value = handler.fn(self, msg.content)
             except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
                 if isinstance(e, Exception) and type(e).__name__ != "BdbQuit":
                     # kept for `%mesh debug --post-mortem` (describe_failure clears it)
@@ -341,9 +433,7 @@ class Worker(WorkerIO):
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
         if isinstance(e, KeyboardInterrupt):  # maybe raised in a paused pdb: hide its frames
-            from monarch_kernel.debug.server import cut_debugger_frames
-
-            tb = cut_debugger_frames(tb)
+            tb = _cut_bdb_frames(tb)
             if not e.args:
                 e.args = ("interrupted",)
         text = ""
@@ -365,8 +455,6 @@ class Worker(WorkerIO):
                          + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
         exc: BaseException | None = e
         try:
-            from monarch_kernel.wire import serialize
-
             serialize.dumps(e)
         except SerializationError:
             exc = None
@@ -395,8 +483,9 @@ class Worker(WorkerIO):
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         tree = ast.parse(code, filename, "exec")
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        if tree.body and isinstance(end := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(end.value)
         value = None
         if tree.body:
             self._run_code(compile(tree, filename, "exec", flags=flags))
@@ -423,9 +512,6 @@ class Worker(WorkerIO):
             out.append(self.namespace[name])
         return out
 
-    def _do_setup(self, content: dict[str, Any]) -> None:
-        init_rank(self, content)  # torch.distributed (dist_setup)
-
     def _do_stop(self, content: Any) -> None:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -433,21 +519,6 @@ class Worker(WorkerIO):
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
-
-    def _do_spawn_actor(self, content: dict[str, Any]) -> Any:
-        from monarch_kernel.actor import actor_mesh as actor
-
-        return actor.spawn_local(self, content)  # {"peer": this worker's actor address}
-
-    def _do_stop_actor(self, content: dict[str, Any]) -> None:
-        from monarch_kernel.actor import actor_mesh as actor
-
-        actor.stop_local(self, content["name"])
-
-    def _do_ref(self, content: dict[str, Any]) -> Any:
-        from monarch_kernel.tensors import store as tensor_store
-
-        return tensor_store.handle(self, content)  # values kept for handles (tensors.py)
 
     def shutdown(self) -> None:
         """Flush what is queued and close the connection."""
@@ -463,6 +534,29 @@ class Worker(WorkerIO):
                 self.up.close(linger=2000)  # let the last reply leave
 
 
+handlers.register_request("execute", Worker._do_execute)
+handlers.register_request("push", Worker._do_push)
+handlers.register_request("pull", Worker._do_pull)
+handlers.register_request("stop", Worker._do_stop)
+
+
+def _cut_bdb_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of a paused debugger (from the first ``bdb``
+    frame on; an interrupt raised while pdb waited travels out through them).
+    Returns a new chain; ``tb`` is not changed."""
+    entries = []
+    t = tb
+    while t is not None and t.tb_frame.f_globals.get("__name__") != "bdb":
+        entries.append(t)
+        t = t.tb_next
+    if t is None:
+        return tb
+    out = None
+    for e in reversed(entries):
+        out = types.TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    return out
+
+
 def _type_name(obj: Any) -> str:
     t = obj if isinstance(obj, type) else type(obj)
     mod = t.__module__
@@ -472,8 +566,6 @@ def _type_name(obj: Any) -> str:
 def _unsendable(value: Any, names: list[str] | None = None) -> str:
     """Which part of ``value`` cannot be pickled, in words ("the result is a generator")."""
     if isinstance(value, (list, tuple)):
-        from monarch_kernel.wire import serialize
-
         for i, item in enumerate(value):
             try:
                 serialize.dumps(item)
@@ -495,23 +587,26 @@ def _sigint(signum: int, frame: Any) -> None:
 def _sigterm(signum: int, frame: Any) -> None:
     """SIGTERM (a restart, a launcher's stop): remove this process's shared-memory
     files (the pools of replies and of RDMABuffer reads), then die of the signal."""
-    from monarch_kernel.wire import shm
-
     try:
-        shm.cleanup()  # (takes no lock: the interrupted code may hold shm's)
+        _shm.cleanup()  # (takes no lock: the interrupted code may hold shm's)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m monarch_kernel.worker.worker``.
+    """Run a worker process until it stops (never returns: the process exits).
+
+    The entry point of ``python -m monarch_kernel worker``, which loads the
+    rank-side features (:mod:`monarch_kernel.plugins`) first; without them the
+    worker answers only ``execute``, ``push``, ``pull`` and ``stop``. The start
+    hooks that features registered run with the new worker before it serves.
 
     The mesh key is read from the environment variable ``MONARCH_MESH_KEY``
     (hex) and removed from the environment before any user code runs.
     """
     global current
-    p = argparse.ArgumentParser(prog="python -m monarch_kernel.worker.worker")
+    p = argparse.ArgumentParser(prog="python -m monarch_kernel worker")
     p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
@@ -558,28 +653,29 @@ def main(argv: list[str] | None = None) -> int:
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers
     current = w
     sys.modules["__main__"] = w.module
-    from monarch_kernel.debug import server as debug_server
-
-    debug_server.install(w)  # breakpoint() / pdb.set_trace() prompt in the notebook
+    handlers.run_start_hooks(w)  # e.g. breakpoint() prompts in the notebook (debug/)
     fds = os.environ.pop("MONARCH_CAPTURE_FDS", "")
     log_fd = os.environ.pop("MONARCH_LOG_FD", "")
     passive = os.environ.pop("MONARCH_OUTPUT_PIPES", "") == "controller"
-    read_fds = tuple(int(x) for x in fds.split(",")) if fds else None
-    w.capture = FdCapture(w._on_output, read_fds=read_fds,  # type: ignore[arg-type]
-                          log_fd=int(log_fd) if log_fd else None, passive=passive)
-    logging.getLogger().handlers[0].setStream(w.capture.log_stream())
+    read_fds = None
+    if fds:
+        out_fd, err_fd = (int(x) for x in fds.split(","))
+        read_fds = (out_fd, err_fd)
+    w.capture = FdCapture(w._on_output, read_fds=read_fds,
+                          log_fd=int(log_fd) if log_fd else None, passive=passive,
+                          divert=w._divert)
+    handler = logging.getLogger().handlers[0]
+    if isinstance(handler, logging.StreamHandler):
+        handler.setStream(w.capture.log_stream())
     signal.signal(signal.SIGINT, _sigint)
     signal.signal(signal.SIGTERM, _sigterm)
-    from monarch_kernel.worker import display
-
-    display.install()
+    display.install(w)
     code = w.serve()
     w.shutdown()
     exit_process(code)
 
 
 if __name__ == "__main__":
-    # run the package's copy of this module, so `monarch_kernel.worker.worker.current` is the one set
-    from monarch_kernel.worker.worker import main as _main
-
-    sys.exit(_main())
+    # without the features (actors, tensors, the debugger...) this would be half a worker
+    sys.exit("run a worker with  python -m monarch_kernel worker ...  (it loads the rank-side "
+             "features first); monarch_kernel.worker.worker is not a program")

@@ -133,7 +133,7 @@ class NetnsPair:
 
 
 class NetnsLauncher(Launcher):
-    """Start each rank as ``ip netns exec NS python -m monarch_kernel.worker.worker``.
+    """Start each rank as ``ip netns exec NS python -m monarch_kernel worker``.
 
     Parameters
     ----------

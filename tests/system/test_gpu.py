@@ -7,7 +7,7 @@ GPU machine the module takes well under a minute (meshes of 1 or 2 ranks,
 shared where the tests leave them usable).
 
 Run with the project on ``PYTHONPATH`` (no install needed): workers start as
-``sys.executable -m monarch_kernel.worker.worker`` and inherit the environment.
+``sys.executable -m monarch_kernel worker`` and inherit the environment.
 """
 
 from __future__ import annotations

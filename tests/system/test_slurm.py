@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from monarch_kernel.testing.kernel import KernelSession, wait_for
+from monarch_kernel.testing.kernel import KernelSession, is_worker_cmdline, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm_ci.sh"
@@ -114,7 +114,7 @@ def _workers_of(address: str) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "monarch_kernel.worker.worker" in cmd and address in cmd:
+        if is_worker_cmdline(cmd) and address in cmd:
             out.append(p.info["pid"])
     return out
 

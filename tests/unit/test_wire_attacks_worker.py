@@ -57,7 +57,7 @@ class FakeController:
         self.address = f"tcp://127.0.0.1:{port}"
         self.errpath = tmp / "worker-stderr.txt"
         self._err = open(self.errpath, "wb")  # noqa: SIM115 - closed by close()
-        cmd = [sys.executable, "-m", "monarch_kernel.worker.worker", "--controller", self.address,
+        cmd = [sys.executable, "-m", "monarch_kernel", "worker", "--controller", self.address,
                "--rank", "0", "--world-size", "1", "--heartbeat-timeout", "120",
                "--telemetry-interval", "0"]
         if limits:
@@ -336,6 +336,6 @@ def test_default_header_limit_is_64_mib(tmp_path, marker):
 
 
 def test_worker_limits_are_configurable():
-    out = subprocess.run([sys.executable, "-m", "monarch_kernel.worker.worker", "--help"],
+    out = subprocess.run([sys.executable, "-m", "monarch_kernel", "worker", "--help"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert "--max-header" in out.stdout and "--max-buffers" in out.stdout

@@ -1,0 +1,187 @@
+"""The worker's handler registry: message type -> the code that handles it.
+
+The worker core handles only its own messages (``heartbeat``,
+``interrupt``, ``shm_done``, ``execute``, ``push``, ``pull``, ``stop``).
+Features plug in from above: the rank-side half of each one (actors,
+tensor handles, the remote debugger, torch.distributed set-up) registers
+its handlers when its module is imported, and the worker process's
+composition root (:mod:`monarch_kernel.plugins`) imports them before the
+worker serves.
+
+Each handler says which thread runs it:
+
+``Thread.IO``
+    The thread that leads the worker's I/O, as soon as the message is
+    read (:class:`IOHandler`). It must not block: it hands work to another
+    thread (an actor's queue, a paused debugger's inbox) or does a short
+    bookkeeping step. Exceptions are logged and the message is dropped.
+``Thread.MAIN``
+    The worker's main thread, one request at a time in arrival order
+    (:class:`RequestHandler`). It may run user code for as long as it
+    likes; its return value (or the exception it raises) is the reply.
+
+A message type nobody registered goes to the main thread, which answers it
+with ``ValueError("unknown request type ...")``.
+
+Besides handlers, a feature may register a *start hook* (run with the
+worker once, before it serves its first request) and a *shared fd reader*
+(for file descriptors the worker's I/O poll watches on a feature's behalf,
+e.g. actors' peer lanes).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from monarch_kernel.wire.protocol import Message
+    from monarch_kernel.worker.worker import Worker
+
+__all__ = [
+    "Handler",
+    "IOHandler",
+    "RequestHandler",
+    "StartHook",
+    "Thread",
+    "lookup",
+    "read_shared_fd",
+    "register_fd_reader",
+    "register_io",
+    "register_request",
+    "register_start",
+    "run_start_hooks",
+]
+
+
+class Thread(enum.Enum):
+    """Which worker thread runs a handler."""
+
+    IO = "io"  #: the thread that leads the I/O; must not block
+    MAIN = "main"  #: the main thread, one request at a time; its result is the reply
+
+
+class IOHandler(Protocol):
+    """Handles a message on the thread that leads the I/O (never blocks)."""
+
+    def __call__(self, worker: Worker, msg: Message, /) -> None: ...
+
+
+class RequestHandler(Protocol):
+    """Handles a request's ``content`` on the main thread; returns the reply's value.
+
+    An exception it raises becomes an error reply."""
+
+    def __call__(self, worker: Worker, content: Any, /) -> Any: ...
+
+
+class StartHook(Protocol):
+    """Called once with the worker of this process, before it serves."""
+
+    def __call__(self, worker: Worker, /) -> None: ...
+
+
+class FdReader(Protocol):
+    """Reads a ready fd the worker's I/O poll watches for a feature; False if
+    the fd is not one of the feature's (the caller then stops watching it)."""
+
+    def __call__(self, fd: int, /) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Handler:
+    """One registered handler.
+
+    Attributes
+    ----------
+    type : str
+        The message type it handles.
+    thread : Thread
+        Which thread runs it.
+    fn : IOHandler or RequestHandler
+        ``fn(worker, msg)`` for ``Thread.IO``, ``fn(worker, content)`` for ``Thread.MAIN``.
+    """
+
+    type: str
+    thread: Thread
+    fn: Callable[..., Any]
+
+
+_lock = threading.Lock()
+_handlers: dict[str, Handler] = {}
+_start_hooks: list[StartHook] = []
+_fd_readers: list[FdReader] = []
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _register(handler: Handler) -> None:
+    with _lock:
+        old = _handlers.get(handler.type)
+        if old is not None and _name(old.fn) != _name(handler.fn):
+            raise ValueError(f"a handler of {handler.type!r} messages is registered already "
+                             f"({_name(old.fn)})")
+        _handlers[handler.type] = handler
+
+
+def register_io(type: str, fn: IOHandler) -> None:
+    """Handle ``type`` messages with ``fn(worker, msg)`` on the thread that leads the I/O.
+
+    Raises
+    ------
+    ValueError
+        If another function handles ``type`` already (the same function
+        again, e.g. from a reloaded module, replaces it).
+    """
+    _register(Handler(type, Thread.IO, fn))
+
+
+def register_request(type: str, fn: RequestHandler) -> None:
+    """Handle ``type`` requests with ``fn(worker, content)`` on the main thread.
+
+    Raises
+    ------
+    ValueError
+        If another function handles ``type`` already (the same function
+        again, e.g. from a reloaded module, replaces it).
+    """
+    _register(Handler(type, Thread.MAIN, fn))
+
+
+def lookup(type: str) -> Handler | None:
+    """The handler of ``type`` messages, or None (any thread; lock-free read)."""
+    return _handlers.get(type)
+
+
+def register_start(hook: StartHook) -> None:
+    """Run ``hook(worker)`` once when a worker process starts, before it serves
+    (hooks run in registration order; registering one twice runs it once)."""
+    with _lock:
+        if hook not in _start_hooks:
+            _start_hooks.append(hook)
+
+
+def run_start_hooks(worker: Worker) -> None:
+    """Run the start hooks with ``worker`` (the worker's main, once)."""
+    with _lock:
+        hooks = list(_start_hooks)
+    for hook in hooks:
+        hook(worker)
+
+
+def register_fd_reader(reader: FdReader) -> None:
+    """Add a reader of fds that the worker's I/O poll watches for a feature."""
+    with _lock:
+        if reader not in _fd_readers:
+            _fd_readers.append(reader)
+
+
+def read_shared_fd(fd: int) -> bool:
+    """Let the feature that owns ``fd`` read it; False if none does (the thread
+    that leads the I/O, whose poll found ``fd`` ready)."""
+    return any(reader(fd) for reader in _fd_readers)
