@@ -25,9 +25,10 @@ controller (the idea comes from ipyparallel's ``RemoteError`` and
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import traceback
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast, overload
 
 __all__ = [
     "ActorError",
@@ -135,12 +136,16 @@ class RemoteError(MonarchError):
         Qualified name of the original exception type.
     remote_traceback : str
         The traceback formatted on the rank, with the cell's own source lines.
+    others : list of BaseException
+        Set only on the first of several groups of failures: the errors of the
+        other groups (shown after this one).
     """
 
     ranks: list[int]
     remote_type: str
     remote_traceback: str
     actor: str | None = None
+    others: list[BaseException]  # (no class attribute: read with getattr(err, "others", ()))
 
     def __str__(self) -> str:
         base = self._remote_message()
@@ -186,7 +191,8 @@ class RemoteError(MonarchError):
         that traceback itself, after its own frames); notes added with
         ``add_note`` stay."""
         te = traceback.TracebackException(type(self), self, None)
-        te.__notes__ = self._added_notes() or None  # (this error unchanged)
+        if sys.version_info >= (3, 11):  # (3.10 formats no notes)
+            te.__notes__ = self._added_notes() or None  # (this error unchanged)
         return list(te.format_exception_only())
 
     def _added_notes(self) -> list[str]:
@@ -239,23 +245,25 @@ def compact_ranks(ranks: list[int]) -> str:
     return ",".join(out)
 
 
-_subclass_cache: dict[tuple[type, type], type] = {}
+_subclass_cache: dict[tuple[type, type], type[RemoteError] | None] = {}
 _subclass_lock = threading.Lock()
 
 
-def _remote_subclass(base: type[RemoteError], exc_type: type[BaseException]) -> type | None:
+def _remote_subclass(base: type[RemoteError],
+                     exc_type: type[BaseException]) -> type[RemoteError] | None:
     key = (base, exc_type)
     with _subclass_lock:
         if key in _subclass_cache:
             return _subclass_cache[key]
+        cls: type[RemoteError] | None
         try:
-            cls = type(
+            cls = cast("type[RemoteError]", type(
                 exc_type.__name__,
                 (base, exc_type),
                 {"__module__": exc_type.__module__, "__str__": RemoteError.__str__,
                  "__reduce__": RemoteError.__reduce__,
                  "_monarch_base": base, "_monarch_original": exc_type},
-            )
+            ))
         except TypeError:  # layout conflict (e.g. two C-level exception bases)
             cls = None
         _subclass_cache[key] = cls
@@ -314,9 +322,20 @@ class RemoteFailure:
         return (self.type_name, self.message, self.traceback)
 
 
+_R = TypeVar("_R", bound=RemoteError)
+
+
+@overload
+def remote_exception(failures: list[RemoteFailure]) -> RemoteError: ...
+
+
+@overload
+def remote_exception(failures: list[RemoteFailure], base: type[_R]) -> _R: ...
+
+
 def remote_exception(
     failures: list[RemoteFailure], base: type[RemoteError] = RemoteError
-) -> BaseException:
+) -> RemoteError:
     """Build one exception for failures that are alike.
 
     The result is an instance of ``base`` and, when the original exception
@@ -336,7 +355,7 @@ def remote_exception(
     # an error that came through several ranks (an endpoint that let another rank's
     # error through) stands for the innermost original type
     exc_type = original_type(original) if original is not None else None
-    if exc_type is not None:
+    if exc_type is not None and original is not None:  # (exc_type implies original)
         cls = _remote_subclass(base, exc_type)
         if cls is not None:
             err = cls.__new__(cls)

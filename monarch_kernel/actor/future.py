@@ -51,7 +51,8 @@ def check_timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout is a number of seconds, or None to wait as long as it "
                         f"takes; got {timeout!r} ({type(timeout).__name__})")
-    if not timeout >= 0:
+    # (numbers.Real declares only < and <=, its abstract methods; every concrete one has >=)
+    if not timeout >= 0:  # type: ignore[operator]
         raise ValueError(f"timeout is in seconds, >= 0, or None to wait as long as it "
                          f"takes; got {timeout!r}")
     return float(timeout)

@@ -53,7 +53,7 @@ import queue
 import sys
 import threading
 import types
-from typing import Any
+from typing import IO, Any, cast
 
 from monarch_kernel.actor.context import current_actor
 from monarch_kernel.util.sigint import DeferredSigint
@@ -131,7 +131,8 @@ class RemotePdb(pdb.Pdb):
     def __init__(self, worker: Any, post_mortem: bool = False) -> None:
         self._out: list[str] = []
         self._inbox: queue.Queue[str | None] = queue.Queue()
-        channel = _Channel(self)
+        # (pdb uses readline, write and flush only; typeshed asks for a whole IO[str])
+        channel = cast("IO[str]", _Channel(self))
         super().__init__(stdin=channel, stdout=channel, skip=SKIP, nosigint=True, readrc=False)
         self.use_rawinput = False
         self.worker = worker
@@ -148,7 +149,7 @@ class RemotePdb(pdb.Pdb):
 
     # ------------------------------------------------------------ messages
     def _parent(self) -> str | None:
-        p = getattr(_tls, "parent", _UNSET)
+        p: Any = getattr(_tls, "parent", _UNSET)
         if p is not _UNSET:
             return p
         if self.thread_id == self.worker.main_thread_id:
@@ -275,7 +276,9 @@ class RemotePdb(pdb.Pdb):
         result = super().dispatch_return(frame, arg)
         caller = frame.f_back
         if (caller is not None and not self.quitting and not self.ended
-                and self.is_skipped_module(caller.f_globals.get("__name__"))
+                # (bdb takes None too, a module without a name; typeshed says str)
+                and self.is_skipped_module(
+                    caller.f_globals.get("__name__"))  # type: ignore[arg-type]
                 and (self.stopframe is None or self.stopframe is frame
                      or self.stopframe is caller)):
             self.set_continue()
@@ -293,7 +296,8 @@ class RemotePdb(pdb.Pdb):
         self._was_released = False
         # Python 3.13+ stops on the breakpoint() line itself; stop after it, as 3.10-3.12
         # do, so one script of commands works with every Python
-        self._first_stop = (frame, frame.f_lineno) if sys.version_info >= (3, 13) else None
+        self._first_stop = ((frame, frame.f_lineno)
+                            if frame is not None and sys.version_info >= (3, 13) else None)
         with _lock:
             _sessions[self.sid] = self
         super().set_trace(frame)
@@ -313,7 +317,9 @@ class RemotePdb(pdb.Pdb):
         cut = -1
         for j in range(min(i, len(stack) - 1)):
             name = stack[j][0].f_globals.get("__name__")
-            if self.is_skipped_module(name) or name in ("runpy", "threading"):
+            # (bdb takes None too, a module without a name; typeshed says str)
+            if self.is_skipped_module(name) or name in (  # type: ignore[arg-type]
+                    "runpy", "threading"):
                 cut = j
         if cut >= 0:
             stack, i = stack[cut + 1:], i - cut - 1

@@ -71,6 +71,7 @@ class MonarchKernel(IPythonKernel):
         hm = getattr(self.shell, "history_manager", None)
         if hm is not None and "db_cache_size" not in self.config.get("HistoryManager", {}):
             hm.db_cache_size = self.HISTORY_CACHE_CELLS
+        assert self.shell is not None  # (IPythonKernel.__init__ made it)
         self.mesh_magics = MeshMagics(self.shell, kernel=self)
         self.shell.register_magics(self.mesh_magics)
 

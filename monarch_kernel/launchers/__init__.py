@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement
 from monarch_kernel.launchers.local import LocalLauncher
 from monarch_kernel.launchers.slurm import SlurmLauncher
@@ -9,7 +11,7 @@ from monarch_kernel.launchers.slurm import SlurmLauncher
 __all__ = ["LaunchSpec", "Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "get_launcher"]
 
 
-def get_launcher(name: str | Launcher, **options: object) -> Launcher:
+def get_launcher(name: str | Launcher, **options: Any) -> Launcher:
     """A launcher instance by name (``"local"``, ``"slurm"``), by import path
     (``"package.module:ClassName"``, for launchers outside this package), or
     as given.

@@ -107,7 +107,7 @@ class LocalLauncher(Launcher):
 
     def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
         """What a dead rank wrote that its own reader never forwarded."""
-        out = []
+        out: list[tuple[str, bytes]] = []
         with self._lock:
             fds = self.pipes.get(rank)
             if fds is None:

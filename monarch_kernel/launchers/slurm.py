@@ -521,7 +521,7 @@ class SlurmLauncher(Launcher):
         wanted = None if ranks is None else set(ranks)
         whole = [u for u in units if wanted is None or set(u.ranks) <= wanted]
         for u in units:
-            if u not in whole:
+            if wanted is not None and u not in whole:  # (wanted None: every unit is whole)
                 self._kill_tasks(u, [r for r in u.ranks if r in wanted], "TERM")
         # workers that got "stop" exit by themselves: give the job a moment to end
         deadline = time.monotonic() + min(timeout, 2.0)

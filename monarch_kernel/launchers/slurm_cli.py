@@ -83,17 +83,17 @@ def decode_exit(value: Any) -> int | None:
     if isinstance(value, dict):
         if "number" in value:  # {"set": true, "number": 3}
             return int(value["number"]) if value.get("set", True) else None
-        sig = value.get("signal")
-        if isinstance(sig, dict):
-            sig = sig.get("id", sig.get("signal_id"))
-            if isinstance(sig, dict):
-                sig = sig.get("number") if sig.get("set", True) else None
-        if isinstance(sig, int) and sig > 0:
-            return -sig
-        rc = value.get("return_code")
-        if isinstance(rc, dict):
-            rc = rc.get("number") if rc.get("set", True) else None
-        return int(rc) if isinstance(rc, int) else None
+        signo = value.get("signal")
+        if isinstance(signo, dict):
+            signo = signo.get("id", signo.get("signal_id"))
+            if isinstance(signo, dict):
+                signo = signo.get("number") if signo.get("set", True) else None
+        if isinstance(signo, int) and signo > 0:
+            return -signo
+        code = value.get("return_code")
+        if isinstance(code, dict):
+            code = code.get("number") if code.get("set", True) else None
+        return int(code) if isinstance(code, int) else None
     return None
 
 

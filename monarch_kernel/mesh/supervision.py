@@ -105,6 +105,8 @@ def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
         for r in live:
             ctl.mark_dead(r, -signal.SIGTERM)
     ctl.expect(ranks, local=la.local)
+    if root.spec is None:  # (spawn_procs gives every mesh it launches one)
+        raise MeshError("this mesh was not launched by spawn_procs: it cannot restart ranks")
     spec = dataclasses.replace(root.spec, ranks=list(ranks))
     la.launch(spec)
     ctl.wait_ready(ranks, timeout)

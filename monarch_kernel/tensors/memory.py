@@ -55,7 +55,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
     CUDA copies are complete when this returns."""
     import numpy as np
 
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")  # (imported already, if at all)
     dt = torch is not None and isinstance(dst, torch.Tensor)
     st = torch is not None and isinstance(src, torch.Tensor)
     if dt and dst.device.type == "cpu":

@@ -273,7 +273,7 @@ def _reduce(value: Any, dims: list[str], op: str) -> Any:
 def _placements(spec: list[tuple]) -> list[Any]:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    out = []
+    out: list[Any] = []
     for p in spec:
         if p[0] == "shard":
             out.append(Shard(int(p[1])))

@@ -416,7 +416,8 @@ def prepare(frames: list[Any]) -> tuple[list[Any], int]:
     TypeError, BufferError
         If a frame is not a C-contiguous buffer.
     """
-    views = [f if type(f) is bytes else _bytes_view(f) for f in frames]
+    # (bytes or memoryview; Any: `type(v) is bytes` does not narrow the other way)
+    views: list[Any] = [f if type(f) is bytes else _bytes_view(f) for f in frames]
     lens = [len(v) if type(v) is bytes else v.nbytes for v in views]
     head = _lengths_struct("<I", len(views)).pack(len(views), *lens)
     return [head, *views], len(head) + sum(lens)

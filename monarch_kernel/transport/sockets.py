@@ -27,8 +27,8 @@ import itertools
 import os
 import select
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import zmq
 
@@ -43,7 +43,8 @@ _counter = itertools.count()
 # flag arithmetic, type checks); the hot path calls the Cython methods directly
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
-_get = zmq.backend.Socket.get
+# (asked only for integer options here; pyzmq types the result int | bytes)
+_get = cast("Callable[[zmq.Socket, int], int]", zmq.backend.Socket.get)
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
@@ -248,7 +249,7 @@ class FdPoller:
         if isinstance(obj, zmq.Socket):
             if exclusive:
                 raise ValueError("exclusive applies to plain fds, not ZeroMQ sockets")
-            fd = obj.getsockopt(zmq.FD)
+            fd = cast(int, obj.getsockopt(zmq.FD))  # (an integer option)
             self._socks[fd] = obj
             self._fd_of[obj] = fd
             self._check.add(obj)
@@ -333,12 +334,12 @@ class FdPoller:
             events = self._poll.poll(0 if ready else timeout_ms)
         socks = self._socks
         for fd, ev in events:
-            sock = socks.get(fd)
-            if sock is None:
+            fired = socks.get(fd)
+            if fired is None:
                 ready[fd] = ev
             else:  # its state changed: maybe input (the drain asks ZMQ_EVENTS)
-                check.add(sock)  # (asked again before the next wait)
-                ready[sock] = _POLLIN
+                check.add(fired)  # (asked again before the next wait)
+                ready[fired] = _POLLIN
         return list(ready.items())
 
 

@@ -67,7 +67,7 @@ CPU_COLOR, MEM_COLOR = "#1e88e5", "#fb8c00"
 
 
 # ------------------------------------------------------------------ drawing
-def sparkline_svg(series: list[tuple[list[float], str, float]], span: float,
+def sparkline_svg(series: list[tuple[list[tuple[float, float]], str, float]], span: float,
                   width: int = 120, height: int = 26, title: str = "") -> str:
     """An inline SVG with one polyline per series.
 
