@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Static checks of the package: the import contracts of pyproject.toml
-# ([tool.importlinter]: layers, no cycles, who may import ipykernel / ipywidgets).
-# Exits non-zero when a check fails.
+# ([tool.importlinter]: layers, no cycles, who may import ipykernel / ipywidgets),
+# then the types ([tool.mypy]: any error fails). Exits non-zero when a check fails.
 # Usage: scripts/check.sh   (VENV=DIR: the virtual environment to use, default .venv,
 # with the `lint` extra installed: pip install -e '.[lint]')
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$root/.venv}"
-if [ ! -x "$venv/bin/lint-imports" ]; then
-    echo "no $venv/bin/lint-imports: pip install -e '.[lint]' (or set VENV)" >&2
-    exit 2
-fi
+for tool in lint-imports mypy; do
+    if [ ! -x "$venv/bin/$tool" ]; then
+        echo "no $venv/bin/$tool: pip install -e '.[lint]' (or set VENV)" >&2
+        exit 2
+    fi
+done
 cd "$root"
 status=0
 
@@ -26,4 +28,7 @@ if grep -rnE '^\s*(from|import) IPython\.(core\.(magic|interactiveshell|getipyth
     echo "IPython's kernel parts are imported outside monarch_kernel.kernel (above)" >&2
     status=1
 fi
+
+# Types: the modules and settings are in [tool.mypy] of pyproject.toml.
+"$venv/bin/mypy" || status=1
 exit $status
