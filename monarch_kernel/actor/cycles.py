@@ -62,7 +62,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from monarch_kernel.actor import peers as actor_peers
 from monarch_kernel.actor.context import current_actor
@@ -99,7 +99,7 @@ class _Tracked:
 
     __slots__ = ("c", "method", "mid", "route", "running", "seq", "waiters")
 
-    def __init__(self, mid: str, c: Call, route: list[bytes]) -> None:
+    def __init__(self, mid: str, c: Call, route: list[bytes] | None) -> None:
         self.mid = mid
         self.c = c
         self.method = c.get(METHOD, "?")
@@ -127,9 +127,9 @@ class _Wait:
 
 
 # ------------------------------------------------------ the serving side
-def track(inst: Any, mid: str, c: Call, route: list[bytes]) -> None:
+def track(inst: Any, mid: str, c: Call, route: list[bytes] | None) -> None:
     """A call made by an actor arrived for ``inst`` (the thread that read it, before
-    it is queued)."""
+    it is queued; ``route``: the calling peer's identity, None for the controller)."""
     with inst.wait_lock:
         inst.tracked[mid] = _Tracked(mid, c, route)
 
@@ -165,7 +165,7 @@ def on_notice(worker: Any, content: WaitNotice) -> None:
                 return  # done already, or an older notice
             t.seq = content[WAIT_SEQ]
             entries = content[WAIT_ENTRIES][:MAX_ENTRIES]
-            t.waiters = tuple(tuple(e) for e in entries  # type: ignore[misc]
+            t.waiters = tuple(tuple(e) for e in entries
                               if isinstance(e, (tuple, list)) and len(e) == 6)
             if not t.running:
                 path = _cycle(inst, t)
@@ -186,7 +186,7 @@ def _on_event(host: Any, msg: Any) -> None:
     """A peer ``event`` message: a wait notice (an actor waits for a call) is
     checked for wait cycles; other events are dropped."""
     if isinstance(msg.content, dict) and msg.content.get("kind") == "wait":
-        on_notice(host.worker, msg.content)
+        on_notice(host.worker, cast("WaitNotice", msg.content))
 
 
 actor_peers.register_handler("event", _on_event)
@@ -216,7 +216,7 @@ def _cycle(inst: Any, t: _Tracked) -> list[Entry] | None:
     came: dict[str, Entry] = {}
     todo = [first]
     while todo and t.mid not in came:
-        nxt = []
+        nxt: list[Entry] = []
         for e in todo:
             if e[4] not in came and e[4] != first[0]:
                 came[e[4]] = e

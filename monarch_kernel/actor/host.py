@@ -269,6 +269,7 @@ class _ActorInstance:
         if attribute:  # output written during the call goes to the caller's request
             w.current_parent = mid
         telemetry.set_activity(f"running endpoint {self.name}.{method}")
+        out: Any  # the packed value, or a failure (dict) where status is "error"
         try:
             if SOURCES in c:
                 register_sources(c[SOURCES])
@@ -288,8 +289,8 @@ class _ActorInstance:
             if KEEP in c:  # .rref(): the value stays here; only its description goes back
                 value = keep_result(c[KEEP], value)
             try:  # to the controller on this host: big CUDA tensors go by IPC handle
-                with cuda_ipc(not c.get(ONEWAY) and (c.get(IPC) if route is not None
-                                                  else w.controller_pid is not None)):
+                with cuda_ipc(bool(not c.get(ONEWAY) and (c.get(IPC) if route is not None
+                                                           else w.controller_pid is not None))):
                     status, out = "ok", Packed.pack(value)
             except SerializationError as e:
                 status, out = "error", failure_of(w, e, with_traceback=False)

@@ -103,11 +103,11 @@ def _free_loop() -> None:
         by_target: dict[tuple[int, tuple[int, ...]], tuple[Any, list[str]]] = {}
         for i, (rt, rk) in batch.items():
             by_target.setdefault((id(rt), tuple(rk)), (rt, []))[1].append(i)
-        for (_, rk), (rt, ids) in by_target.items():
+        for (_, target), (rt, ids) in by_target.items():
             if rt._stopped:
                 continue
             try:
-                rt.controller.notify(list(rk), "free", Free(ids=ids))
+                rt.controller.notify(list(target), "free", Free(ids=ids))
             except Exception:  # noqa: BLE001 - the mesh is closing: the values go with it
                 pass
 
