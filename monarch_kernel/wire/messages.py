@@ -96,11 +96,12 @@ A ``buffer`` message (:class:`Buffer`) names its byte count
 letter too; its other keys are words.
 """
 
+import sys
 from typing import Any, Final, Literal, TypedDict
 
-try:
+if sys.version_info >= (3, 11):
     from typing import NotRequired
-except ImportError:  # Python 3.10 (typing_extensions comes with torch)
+else:  # Python 3.10 (typing_extensions comes with torch)
     from typing_extensions import NotRequired
 
 __all__ = [
