@@ -25,14 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import actor_peers, bare_echo, ours, paired, peers, raw_zmq
 from monarch_kernel.util.switches import lanes_enabled, sched_batch_enabled
-
-from benchmarks import actor_peers
-from benchmarks import bare_echo
-from benchmarks import ours
-from benchmarks import paired
-from benchmarks import peers
-from benchmarks import raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "peer_call_p50_us", "calls_per_s",
            "tensor_gbps", "p2p_gbps", "rdma_gbps", "spawn_s"]

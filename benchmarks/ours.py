@@ -10,10 +10,9 @@ from typing import Any
 import cloudpickle
 import psutil
 
+from benchmarks.stats import best_gbps, latencies_us, p50, p99
 from monarch_kernel import Actor, endpoint
 from monarch_kernel.mesh.procmesh import spawn_procs
-
-from benchmarks.stats import best_gbps, latencies_us, p50, p99
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 

@@ -33,11 +33,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from monarch_kernel.mesh.procmesh import spawn_procs
-
 from benchmarks.ours import Bench
 from benchmarks.raw_zmq import RawMesh
 from benchmarks.stats import latencies_us, p50, p99
+from monarch_kernel.mesh.procmesh import spawn_procs
 
 #: seconds of idleness before each call of ``call_idle_p50_us``
 IDLE_S = 0.0015

@@ -67,22 +67,34 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from monarch_kernel.actor import cycles as actor_cycles
+from monarch_kernel.actor.adverbs import Endpoint
 from monarch_kernel.actor.context import current_actor
 from monarch_kernel.actor.cycles import WaitCycleError
+from monarch_kernel.actor.future import Future
 from monarch_kernel.actor.host import actor_point, dispatch_call, spawn_local, stop_local
 from monarch_kernel.actor.mesh_keys import check_known
 from monarch_kernel.actor.peers import address_host, peer_host
-from monarch_kernel.actor.rref import pickled_count
 from monarch_kernel.actor.replies import CallOutput
-from monarch_kernel.actor.adverbs import Endpoint
+from monarch_kernel.actor.rref import pickled_count
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.errors import ActorError, MeshError, MeshFailure, ranks_label
-from monarch_kernel.actor.future import Future
 from monarch_kernel.mesh.shape import Point, Shape
+from monarch_kernel.wire.messages import (
+    ACTOR,
+    IPC,
+    KEEP,
+    METHOD,
+    ONEWAY,
+    PAYLOAD,
+    REFS,
+    SOURCES,
+    UID,
+    WAITED,
+    Call,
+    StopActor,
+)
 from monarch_kernel.wire.serialize import Packed, cuda_ipc
 from monarch_kernel.wire.sources import has_code, sources_for
-from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
-                                          SOURCES, UID, WAITED, Call, StopActor)
 from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.actor import cycles as actor_cycles
-from monarch_kernel.actor.replies import raise_failures
 from monarch_kernel.actor.future import Future
+from monarch_kernel.actor.replies import raise_failures
 from monarch_kernel.mesh.shape import ValueMesh
 
 if TYPE_CHECKING:

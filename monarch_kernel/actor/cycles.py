@@ -66,10 +66,19 @@ from typing import Any, cast
 
 from monarch_kernel.actor import peers as actor_peers
 from monarch_kernel.actor.context import current_actor
+from monarch_kernel.actor.future import (
+    WATCH_AFTER_S,  # an actor's thread tells a call's ranks after that long
+)
 from monarch_kernel.errors import MeshError
-from monarch_kernel.actor.future import WATCH_AFTER_S  # an actor's thread tells a call's ranks after that long
-from monarch_kernel.wire.messages import (METHOD, WAIT_ACTOR, WAIT_CALL, WAIT_ENTRIES, WAIT_SEQ,
-                                          Call, WaitNotice)
+from monarch_kernel.wire.messages import (
+    METHOD,
+    WAIT_ACTOR,
+    WAIT_CALL,
+    WAIT_ENTRIES,
+    WAIT_SEQ,
+    Call,
+    WaitNotice,
+)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 

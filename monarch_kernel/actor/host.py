@@ -40,17 +40,29 @@ from monarch_kernel.actor import cycles as actor_cycles
 from monarch_kernel.actor import mesh_keys
 from monarch_kernel.actor import peers as actor_peers
 from monarch_kernel.actor.context import context
+from monarch_kernel.actor.peers import answer, failure_of, peer_host, reject, stats
 from monarch_kernel.actor.rref import keep_result
-from monarch_kernel.util import gpu
-from monarch_kernel.worker import handlers, telemetry
-from monarch_kernel.actor.peers import answer, failure_of, peer_host, reject
-from monarch_kernel.actor.peers import stats
 from monarch_kernel.errors import SerializationError
 from monarch_kernel.mesh.shape import Point, Shape
+from monarch_kernel.util import gpu
+from monarch_kernel.wire.messages import (
+    ACTOR,
+    IPC,
+    KEEP,
+    METHOD,
+    ONEWAY,
+    PAYLOAD,
+    REFS,
+    SOURCES,
+    WAITED,
+    Call,
+    RankDead,
+    SpawnActor,
+    SpawnReply,
+    SupervisionEvent,
+)
 from monarch_kernel.wire.serialize import Packed, cuda_ipc
-from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
-                                          SOURCES, WAITED, Call, RankDead, SpawnActor, SpawnReply,
-                                          SupervisionEvent)
+from monarch_kernel.worker import handlers, telemetry
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 

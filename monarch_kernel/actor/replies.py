@@ -27,7 +27,13 @@ from typing import Any
 
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.output import RankPrinter, write_stream
-from monarch_kernel.errors import ActorError, MeshFailure, RemoteFailure, group_failures, remote_exception
+from monarch_kernel.errors import (
+    ActorError,
+    MeshFailure,
+    RemoteFailure,
+    group_failures,
+    remote_exception,
+)
 from monarch_kernel.wire.serialize import Packed
 
 __all__ = ["CallOutput", "raise_failures", "set_debug_handler", "show_display"]

@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 from monarch_kernel.actor.actor_mesh import Actor, ActorMesh, actor_record, note_broadcast_failure
+from monarch_kernel.actor.future import Future
 from monarch_kernel.actor.mesh_keys import note_peers, peer_address
 from monarch_kernel.actor.replies import CallOutput
 from monarch_kernel.errors import (
@@ -26,11 +27,9 @@ from monarch_kernel.errors import (
     raise_request_failures,
     remote_exception,
 )
-from monarch_kernel.actor.future import Future
+from monarch_kernel.wire.messages import ActorErrorEvent, Failure, RankDead, SpawnActor, StopActor
 from monarch_kernel.wire.serialize import Packed
 from monarch_kernel.wire.sources import sources_for
-from monarch_kernel.wire.messages import (ActorErrorEvent, Failure, RankDead, SpawnActor,
-                                          StopActor)
 
 __all__ = ["spawn_actor_mesh"]
 

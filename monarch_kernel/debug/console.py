@@ -47,9 +47,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.errors import RankSpecError
-from monarch_kernel.debug.ranks import compact_ranks, parse_debug_ranks, plural, ranks_text, report_quits
+from monarch_kernel.debug.ranks import (
+    compact_ranks,
+    parse_debug_ranks,
+    plural,
+    ranks_text,
+    report_quits,
+)
 from monarch_kernel.debug.registry import DebugRegistry, DebugSession
+from monarch_kernel.errors import RankSpecError
 
 __all__ = ["HELP", "DebugConsole", "parse_debug_ranks", "report_quits"]
 

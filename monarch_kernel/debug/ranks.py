@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.debug.registry import DebugSession
 from monarch_kernel.errors import RankSpecError
 from monarch_kernel.mesh.shape import parse_ranks
-from monarch_kernel.debug.registry import DebugSession
 
 __all__ = ["compact_ranks", "parse_debug_ranks", "plural", "ranks_text", "report_quits"]
 

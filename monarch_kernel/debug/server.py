@@ -57,8 +57,7 @@ from typing import IO, Any, cast
 
 from monarch_kernel.actor.context import current_actor
 from monarch_kernel.util.sigint import DeferredSigint
-from monarch_kernel.worker import telemetry
-from monarch_kernel.worker import handlers
+from monarch_kernel.worker import handlers, telemetry
 
 __all__ = [
     "RemotePdb",

@@ -21,11 +21,11 @@ from IPython.core.error import UsageError
 
 from monarch_kernel.actor.replies import set_debug_handler, show_display
 from monarch_kernel.controller.controller import Request
+from monarch_kernel.controller.output import RankPrinter
 from monarch_kernel.debug.console import DebugConsole, report_quits
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.kernel.commands import command
-from monarch_kernel.controller.output import RankPrinter
 from monarch_kernel.errors import raise_request_failures
+from monarch_kernel.kernel.commands import command
 from monarch_kernel.mesh.procmesh import ProcMesh, live_meshes
 
 __all__ = ["POST_MORTEM_CODE", "call_debug_event", "cell_console", "debug_command",

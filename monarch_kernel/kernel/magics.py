@@ -22,19 +22,20 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.io import spin_seconds
+from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
 from monarch_kernel.debug.console import report_quits
 from monarch_kernel.debug.registry import registry_for
 from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, ranks_label
-from monarch_kernel.launchers import get_launcher
-from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
-from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
-from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
-from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, command, usage_text
+
 # (debug_bridge also serves the calls of actors paused in pdb)
 from monarch_kernel.kernel.debug_bridge import cell_console, debug_command
+from monarch_kernel.launchers import get_launcher
+from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
+from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.ui.status import StatusTable
+from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
 __all__ = ["MeshMagics"]
 

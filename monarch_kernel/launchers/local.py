@@ -9,7 +9,6 @@ import subprocess
 import threading
 from typing import Any
 
-from monarch_kernel.transport import lane
 from monarch_kernel.launchers.base import (
     Launcher,
     LaunchSpec,
@@ -18,6 +17,7 @@ from monarch_kernel.launchers.base import (
     stop_processes,
     worker_command,
 )
+from monarch_kernel.transport import lane
 
 __all__ = ["LocalLauncher"]
 

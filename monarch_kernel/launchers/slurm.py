@@ -48,7 +48,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_kernel.errors import MeshError, MeshFailure
-from monarch_kernel.transport.netaddr import address_towards, primary_address
 from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement
 from monarch_kernel.launchers.slurm_cli import (
     ACTIVE_STATES,
@@ -75,6 +74,7 @@ from monarch_kernel.launchers.slurm_job import (
     task_script,
     write_key_file,
 )
+from monarch_kernel.transport.netaddr import address_towards, primary_address
 
 __all__ = [
     "ACTIVE_STATES",

@@ -22,13 +22,6 @@ from monarch_kernel.actor.host import supervise_from_current_actor
 from monarch_kernel.actor.spawn import spawn_actor_mesh
 from monarch_kernel.controller.controller import Controller, Request
 from monarch_kernel.controller.output import RankPrinter, write_stream
-from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
-from monarch_kernel.mesh.supervision import (
-    RESTART_POLICIES,
-    Supervisor,
-    restart_ranks,
-    stop_survivors,
-)
 from monarch_kernel.errors import (
     MESH_STOPPED,
     MeshError,
@@ -37,7 +30,14 @@ from monarch_kernel.errors import (
     raise_request_failures,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
+from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
 from monarch_kernel.mesh.shape import Shape, ValueMesh, parse_ranks
+from monarch_kernel.mesh.supervision import (
+    RESTART_POLICIES,
+    Supervisor,
+    restart_ranks,
+    stop_survivors,
+)
 from monarch_kernel.tensors.handles import ref_of
 from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
 from monarch_kernel.transport.sockets import is_loopback

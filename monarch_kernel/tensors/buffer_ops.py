@@ -30,15 +30,15 @@ import threading
 import time
 from typing import Any
 
-from monarch_kernel.wire import shm as _shm
 from monarch_kernel.actor import peers as actor_peers
-from monarch_kernel.actor.peers import address_host, peer_host
-from monarch_kernel.tensors.memory import byte_view, copy_bytes, is_cuda, lookup, nbytes, unregister
-from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future
-from monarch_kernel.wire.serialize import release_ipc_reference
-from monarch_kernel.wire.messages import BUF_NBYTES, BUF_ROUTE, Buffer, Reply
+from monarch_kernel.actor.peers import address_host, peer_host
+from monarch_kernel.errors import MeshError
+from monarch_kernel.tensors.memory import byte_view, copy_bytes, is_cuda, lookup, nbytes, unregister
+from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire import torch_ipc
+from monarch_kernel.wire.messages import BUF_NBYTES, BUF_ROUTE, Buffer, Reply
+from monarch_kernel.wire.serialize import release_ipc_reference
 
 log = logging.getLogger("monarch_kernel.tensors.buffer")
 

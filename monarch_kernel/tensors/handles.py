@@ -48,7 +48,8 @@ from monarch_kernel.actor.rref import note_pickled
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.mesh.shape import Shape, ValueMesh
 from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, resolve, set_controller_rebuild
-from monarch_kernel.wire.messages import Free, Ref as RefRequest
+from monarch_kernel.wire.messages import Free
+from monarch_kernel.wire.messages import Ref as RefRequest
 
 __all__ = ["Ref", "RefTable", "bind_refs", "rebuild_local", "ref_of", "rref_call", "show"]
 

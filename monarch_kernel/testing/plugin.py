@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+
 import pytest
 
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs

@@ -59,9 +59,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch_kernel.errors import ProtocolError, SerializationError
 from monarch_kernel.wire import serialize
 from monarch_kernel.wire import shm as _shm
-from monarch_kernel.errors import ProtocolError, SerializationError
 
 log = logging.getLogger("monarch_kernel.wire.protocol")
 

@@ -20,8 +20,8 @@ import pytest
 import zmq
 from wire_attack_helpers import controller_drops, dealer, two_rank_mesh
 
-from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.testing.kernel import wait_for
+from monarch_kernel.wire import protocol as protocol
 
 pytestmark = pytest.mark.timeout(120)
 

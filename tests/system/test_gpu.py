@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_kernel import Actor
-from monarch_kernel import endpoint
-from monarch_kernel.wire import serialize as serialize
+from monarch_kernel import Actor, endpoint
 from monarch_kernel.mesh.procmesh import spawn_procs
 from monarch_kernel.tensors.handles import show
 from monarch_kernel.testing.kernel import wait_for, worker_pids
+from monarch_kernel.wire import serialize as serialize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -227,7 +226,7 @@ def test_telemetry_reports_real_nvml_figures(mesh, record_property):
             assert g["index"] == int(vis.split(",")[device])
         assert g["name"] and (g["name"] in name or name in g["name"]), (g["name"], name)
         assert 0.0 <= g["util"] <= 100.0
-        assert 0 < g["mem_total"] and abs(g["mem_total"] - cuda_total) <= 0.1 * cuda_total
+        assert g["mem_total"] > 0 and abs(g["mem_total"] - cuda_total) <= 0.1 * cuda_total
         assert GiB <= g["mem_used"] <= g["mem_total"]
         assert g["torch_reserved"] >= g["torch_allocated"] >= GiB
         # per-process memory: NVML may not list processes of a container (other pid

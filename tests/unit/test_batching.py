@@ -15,10 +15,8 @@ import time
 import cloudpickle
 import pytest
 
-from monarch_kernel import Actor
-from monarch_kernel import MeshFailure
+from monarch_kernel import Actor, MeshFailure, endpoint
 from monarch_kernel.controller import batching as batching
-from monarch_kernel import endpoint
 from monarch_kernel.controller.controller import Controller
 from monarch_kernel.errors import TransportError
 from monarch_kernel.mesh.procmesh import spawn_procs

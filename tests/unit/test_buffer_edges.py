@@ -11,11 +11,8 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from monarch_kernel import Actor
-from monarch_kernel import RDMABuffer
-from monarch_kernel import endpoint
+from monarch_kernel import Actor, RDMABuffer, endpoint, spawn_procs
 from monarch_kernel.wire import shm as shm
-from monarch_kernel import spawn_procs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -50,8 +47,8 @@ class Edge(Actor):
 
     @endpoint
     def read(self, buf: RDMABuffer, route: str | None = None, limit: int | None = None) -> str:
-        from monarch_kernel.tensors import buffer_ops as buffer_ops
         from monarch_kernel.actor.peers import peer_host
+        from monarch_kernel.tensors import buffer_ops as buffer_ops
         from monarch_kernel.worker.worker import current
 
         real = buffer_ops._route

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.errors import ProtocolError
+from monarch_kernel.wire import protocol as protocol
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,10 +24,10 @@ import zmq
 
 from monarch_kernel import Actor, endpoint
 from monarch_kernel.errors import TransportError
-from monarch_kernel.transport.lane import Lane, pair
 from monarch_kernel.mesh.procmesh import spawn_procs
-from monarch_kernel.util.switches import lanes_enabled
 from monarch_kernel.testing.kernel import wait_for, worker_pids
+from monarch_kernel.transport.lane import Lane, pair
+from monarch_kernel.util.switches import lanes_enabled
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 

@@ -7,9 +7,25 @@ import re
 import pytest
 
 from monarch_kernel.wire import messages, protocol, serialize
-from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
-                                          SOURCES, UID, WAIT_ACTOR, WAIT_CALL, WAIT_ENTRIES,
-                                          WAIT_SEQ, WAITED, Call, RankDead, WaitNotice)
+from monarch_kernel.wire.messages import (
+    ACTOR,
+    IPC,
+    KEEP,
+    METHOD,
+    ONEWAY,
+    PAYLOAD,
+    REFS,
+    SOURCES,
+    UID,
+    WAIT_ACTOR,
+    WAIT_CALL,
+    WAIT_ENTRIES,
+    WAIT_SEQ,
+    WAITED,
+    Call,
+    RankDead,
+    WaitNotice,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

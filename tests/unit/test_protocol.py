@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from monarch_kernel.errors import ProtocolError, SerializationError
 from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.wire import serialize as serialize
 from monarch_kernel.wire import shm as shm
-from monarch_kernel.errors import ProtocolError, SerializationError
 
 
 def pair(**kw):

@@ -39,7 +39,7 @@ class Policy(Actor):
 
 #: the policy pytest runs under (workers inherit it where they do not change it)
 _MINE = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-_ORDINARY = pytest.mark.skipif(_MINE != getattr(os, "SCHED_OTHER", None),
+_ORDINARY = pytest.mark.skipif(getattr(os, "SCHED_OTHER", None) != _MINE,
                                reason="pytest is not an ordinary process here")
 
 

@@ -173,10 +173,8 @@ def test_a_killed_workers_unseen_pool_files_are_swept_soon(monkeypatch):
 
     import cloudpickle
 
-    from monarch_kernel import Actor
+    from monarch_kernel import Actor, endpoint, spawn_procs
     from monarch_kernel.controller import controller as controller
-    from monarch_kernel import endpoint
-    from monarch_kernel import spawn_procs
     from monarch_kernel.testing.kernel import wait_for
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])

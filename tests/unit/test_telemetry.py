@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from monarch_kernel.worker import telemetry as telemetry
 from monarch_kernel.launchers.base import LaunchSpec, worker_command
 from monarch_kernel.testing.kernel import wait_for
+from monarch_kernel.worker import telemetry as telemetry
 
 
 # ----------------------------------------------------------------- activity

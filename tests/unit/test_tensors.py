@@ -15,14 +15,11 @@ import cloudpickle
 import pytest
 import torch
 
-from monarch_kernel import Actor
-from monarch_kernel import MeshError
-from monarch_kernel import MeshFailure
-from monarch_kernel import endpoint
-from monarch_kernel.wire import serialize as serialize
+from monarch_kernel import Actor, MeshError, MeshFailure, endpoint
 from monarch_kernel.mesh.procmesh import spawn_procs
 from monarch_kernel.tensors.handles import Ref
 from monarch_kernel.testing.kernel import wait_for, worker_pids
+from monarch_kernel.wire import serialize as serialize
 
 MB = 1 << 20
 

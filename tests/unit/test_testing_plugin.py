@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-
 _USER_TESTS = '''
 import os
 

@@ -19,8 +19,8 @@ import pytest
 import zmq
 from wire_attack_helpers import Evil, controller_drops, dealer, envelope, split, two_rank_mesh
 
-from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.testing.kernel import wait_for
+from monarch_kernel.wire import protocol as protocol
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,8 +125,8 @@ def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd, via):
     import cloudpickle
 
     from monarch_kernel import Actor, endpoint
-    from monarch_kernel.transport.lane import prepare
     from monarch_kernel.mesh.procmesh import spawn_procs
+    from monarch_kernel.transport.lane import prepare
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -27,9 +27,9 @@ import pytest
 import zmq
 from wire_attack_helpers import Evil, envelope, fields, split
 
+from monarch_kernel.testing.kernel import wait_for
 from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.wire import serialize as serialize
-from monarch_kernel.testing.kernel import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
