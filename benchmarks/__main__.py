@@ -44,7 +44,8 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                                           if hasattr(os, "sched_getaffinity")
                                           else os.cpu_count()},
                               "installed": peers.installed(),
-                              # local workers through lanes (monarch_kernel.transport.lane), or ZeroMQ
+                              # local workers through lanes (monarch_kernel.transport.lane),
+                              # or ZeroMQ
                               "lanes": lanes_enabled(),
                               # our workers under SCHED_BATCH (monarch_kernel.worker.sched);
                               # the baselines' are ordinary processes

@@ -98,7 +98,7 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         idle = {("raw_pyzmq", "call_idle"): _after_idle(fns["raw_pyzmq", "call"]),
                 ("monarch_kernel", "call_idle"): _after_idle(fns["monarch_kernel", "call"])}
         lat: dict[tuple[str, str], list[float]] = {k: [] for k in [*fns, *idle]}
-        for k, fn in fns.items():
+        for fn in fns.values():
             latencies_us(fn, 1, warmup=100)
         contended = ctl.spin_contended
         for _ in range(max(1, calls // block)):

@@ -71,7 +71,8 @@ def reap(grace: float = GRACE_S, timeout: float = 30.0) -> list[int]:
                 signalled.append(p.pid)
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=min(grace, max(0.0, deadline - time.monotonic())))
+        _, alive = psutil.wait_procs(
+            procs, timeout=min(grace, max(0.0, deadline - time.monotonic())))
         for p in alive:
             try:
                 p.kill()

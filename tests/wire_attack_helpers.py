@@ -66,7 +66,8 @@ def dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
 def controller_drops(caplog) -> list[str]:
     """The controller's "dropped a message" warnings caught by ``caplog``."""
     return [r.getMessage() for r in caplog.records
-            if r.name == "monarch_kernel.controller.controller" and "dropped a message" in r.getMessage()]
+            if r.name == "monarch_kernel.controller.controller"
+            and "dropped a message" in r.getMessage()]
 
 
 def two_rank_mesh() -> Iterator[Any]:

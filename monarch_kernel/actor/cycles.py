@@ -82,8 +82,8 @@ from monarch_kernel.wire.messages import (
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
-__all__ = ["MAX_ENTRIES", "WATCH_AFTER_S", "WaitCycleError", "any_of_guard", "call_guard", "on_notice",
-           "watcher"]
+__all__ = ["MAX_ENTRIES", "WATCH_AFTER_S", "WaitCycleError", "any_of_guard", "call_guard",
+           "on_notice", "watcher"]
 
 #: entries in one wait notice, at most
 MAX_ENTRIES = 256

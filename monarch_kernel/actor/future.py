@@ -159,7 +159,8 @@ class Future(Generic[T]):
             except Exception:
                 import logging
 
-                logging.getLogger("monarch_kernel.actor.actor_mesh").exception("a future callback failed")
+                logging.getLogger("monarch_kernel.actor.actor_mesh").exception(
+                    "a future callback failed")
 
     def add_done_callback(self, fn: Callable[[Future[T]], None]) -> None:
         """Call ``fn(self)`` when done (at once, in this thread, if already done;

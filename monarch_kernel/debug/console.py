@@ -501,7 +501,7 @@ class DebugConsole:
             rows.append((str(s.rank), self._host(s.rank), s.function + thread,
                          f"{s.filename}:{s.lineno}"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        self._write("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+        self._write("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                               for r in rows))
 
     def _select(self, spec: str, paused: list[DebugSession]) -> list[DebugSession] | None:

@@ -123,7 +123,7 @@ class Launcher(abc.ABC):
     def signal(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
         """Send ``sig`` to the processes of ``ranks``."""
 
-    def forget(self, ranks: list[int]) -> None:
+    def forget(self, ranks: list[int]) -> None:  # noqa: B027 - optional hook, default: no-op
         """Stop reporting exits of the current processes of ``ranks``: they are
         about to be replaced by :meth:`launch` (a restart)."""
 
@@ -137,7 +137,7 @@ class Launcher(abc.ABC):
         ``ranks[r].host`` / ``.pid`` a launcher may use for placements)."""
         self.controller = controller
 
-    def wait_started(self, timeout: float) -> None:
+    def wait_started(self, timeout: float) -> None:  # noqa: B027 - optional hook; default: no wait
         """Called after :meth:`launch`: block while the workers cannot start
         yet (a queued scheduler job), reporting progress; raise if they never
         will. Interruptible (KeyboardInterrupt). Default: return at once."""

@@ -112,7 +112,7 @@ class LocalLauncher(Launcher):
             fds = self.pipes.get(rank)
             if fds is None:
                 return out
-            for name, fd in zip(("stdout", "stderr"), fds):
+            for name, fd in zip(("stdout", "stderr"), fds, strict=True):
                 chunks = []
                 while True:
                     try:

@@ -49,7 +49,7 @@ class Shape:
                                 "sizes are whole numbers >= 1, like {'procs': 4}")
         self.labels: tuple[str, ...] = tuple(dims)
         self.sizes: tuple[int, ...] = tuple(int(v) for v in dims.values())
-        for name, size in zip(self.labels, self.sizes):
+        for name, size in zip(self.labels, self.sizes, strict=True):
             if size < 1:
                 raise MeshError(f"dimension {name!r} has size {size}; sizes must be >= 1")
         n = math.prod(self.sizes)
@@ -60,7 +60,7 @@ class Shape:
     @property
     def dims(self) -> dict[str, int]:
         """``{name: size}``, outermost first."""
-        return dict(zip(self.labels, self.sizes))
+        return dict(zip(self.labels, self.sizes, strict=True))
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -74,10 +74,10 @@ class Shape:
     def coords(self) -> Iterator[dict[str, int]]:
         """Every point's coordinates, row-major."""
         for idx in itertools.product(*(range(s) for s in self.sizes)):
-            yield dict(zip(self.labels, idx))
+            yield dict(zip(self.labels, idx, strict=True))
 
     def points(self) -> Iterator[Point]:
-        for c, r in zip(self.coords(), self.ranks):
+        for c, r in zip(self.coords(), self.ranks, strict=True):
             yield Point(c, r)
 
     def slice(self, **selectors: int | slice) -> Shape:
@@ -93,7 +93,7 @@ class Shape:
                 raise MeshError(f"no dimension {name!r} in shape {self.dims}")
         keep: list[tuple[str, list[int]]] = []
         per_dim: list[list[int]] = []
-        for name, size in zip(self.labels, self.sizes):
+        for name, size in zip(self.labels, self.sizes, strict=True):
             sel = selectors.get(name, slice(None))
             if isinstance(sel, slice):
                 idx = list(range(size))[sel]
@@ -108,7 +108,7 @@ class Shape:
             per_dim.append(idx)
         strides = [math.prod(self.sizes[i + 1:]) for i in range(len(self.sizes))]
         ranks = [
-            self.ranks[sum(i * s for i, s in zip(combo, strides))]
+            self.ranks[sum(i * s for i, s in zip(combo, strides, strict=True))]
             for combo in itertools.product(*per_dim)
         ]
         return Shape({n: len(ix) for n, ix in keep}, ranks)
@@ -175,7 +175,7 @@ class ValueMesh:
 
     def items(self) -> Iterator[tuple[Point, Any]]:
         """``(Point, value)`` pairs, row-major."""
-        return zip(self.shape.points(), self._values)
+        return zip(self.shape.points(), self._values, strict=True)
 
     def item(self, **coords: int) -> Any:
         """The value at one point, e.g. ``vm.item(procs=1)``.
@@ -214,9 +214,10 @@ class ValueMesh:
         rows = self._rows()
         widths = [max(len(h), *(len(r[0][i]) for r in rows)) for i, h in enumerate(head)]
         lines = [f"ValueMesh({self.shape.dims}):"]
-        lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)) + "  value")
+        lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))
+                     + "  value")
         for cells, text in rows:
-            pad = "  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths)) + "  "
+            pad = "  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + "  "
             first, *rest = text.splitlines() or [""]
             lines.append(pad + first)
             lines.extend(" " * len(pad) + ln for ln in rest)

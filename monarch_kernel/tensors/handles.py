@@ -574,8 +574,9 @@ class RefTable:
         head, rows = self._head(), self.rows()
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
         lines = [f"{self.label} on {self.meta.shape.dims}:",
-                 "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+                 "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                  for r in rows]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:

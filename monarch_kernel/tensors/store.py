@@ -370,7 +370,7 @@ def group_ranks(dims: dict[str, int], rank: int, over: list[str]) -> list[int]:
     coords.reverse()
     strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
     out = [0]
-    for name, size, c, st in zip(names, sizes, coords, strides):
+    for name, size, c, st in zip(names, sizes, coords, strides, strict=True):
         idx = range(size) if name in over else [c]
         out = [o + i * st for o in out for i in idx]
     return sorted(out)

@@ -47,9 +47,9 @@ def worker_pids(parent: int | None = None) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = p.info.get("cmdline") or []
-        if is_worker_cmdline(cmd) and p.info.get("status") != psutil.STATUS_ZOMBIE:
-            if parent is None or str(parent) in cmd:
-                out.append(p.info["pid"])
+        if (is_worker_cmdline(cmd) and p.info.get("status") != psutil.STATUS_ZOMBIE
+                and (parent is None or str(parent) in cmd)):
+            out.append(p.info["pid"])
     return out
 
 

@@ -5,9 +5,10 @@ Why: a ZeroMQ message crosses two I/O threads (the sender's, which writes
 the TCP socket, and the receiver's, which reads it and wakes the reader),
 so a round trip wakes four threads besides the two that do the work. The
 lane writes and reads the socket from the thread that sends or leads the
-I/O, with no thread in between (docs/benchmarks.md compares the two). It exists only between a controller and a worker it spawned
-itself (the worker inherits its end, so nothing else can connect to it);
-workers on other hosts, or started by Slurm, keep ZeroMQ. Setting
+I/O, with no thread in between (docs/benchmarks.md compares the two). It
+exists only between a controller and a worker it spawned itself (the
+worker inherits its end, so nothing else can connect to it); workers on
+other hosts, or started by Slurm, keep ZeroMQ. Setting
 ``MONARCH_LANES=0`` turns lanes off.
 
 Framing (a stream socket, so a message of any size fits): each multipart

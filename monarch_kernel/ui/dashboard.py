@@ -470,7 +470,7 @@ class Dashboard(widgets.VBox):
         if hosts != self._host_key:
             self._host_key = hosts
             groups: dict[str, list[int]] = {}
-            for r, h in zip(self.ranks, hosts):
+            for r, h in zip(self.ranks, hosts, strict=True):
                 groups.setdefault(h or "(starting)", []).append(r)
             head = widgets.HTML(
                 '<div style="font-size:11px;color:#616161;display:flex">'

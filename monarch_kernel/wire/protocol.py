@@ -359,7 +359,8 @@ class Codec:
             try:
                 i = next(i for i, v in enumerate(views) if v[:4] == MAGIC)
             except StopIteration:
-                raise ProtocolError("no protocol magic frame (not a monarch_kernel message)")
+                raise ProtocolError(
+                    "no protocol magic frame (not a monarch_kernel message)") from None
             identity = [bytes(v) for v in views[:i]]
             views = views[i:]
         elif identity is None:
@@ -387,7 +388,7 @@ class Codec:
         header_b, payload = env[_HEAD:_HEAD + hlen], env[_HEAD + hlen:]
         mtype, mid, parent, sender, lengths, sh = _parse_header(bytes(header_b))
         if (lengths or buffers) and (len(lengths) != len(buffers) or any(
-                n != b.nbytes for n, b in zip(lengths, buffers))):
+                n != b.nbytes for n, b in zip(lengths, buffers, strict=True))):
             raise ProtocolError(f"malformed message header: it names {len(lengths)} buffer(s) "
                                 f"of {list(lengths)[:8]} bytes, the message has "
                                 f"{[b.nbytes for b in buffers][:8]}")
@@ -412,7 +413,7 @@ class Codec:
                 self._seen.discard(self._seen_order.popleft())
         if sh:
             buffers = list(buffers)
-            for i, (name, size, mode) in zip(sh, described):
+            for i, (name, size, mode) in zip(sh, described, strict=True):
                 buffers[i] = _ShmFrame(name, size, mode)
         msg = Message(mtype, mid, parent, sender, payload, identity, buffers,
                       [d[0] for d in described if d[2] == "p"] if sh else [])

@@ -194,10 +194,8 @@ def _reduce_tensor(t: Any) -> tuple:
         cpu = cpu.cpu()
     cpu = cpu.contiguous()
     raw = str(cpu.dtype).replace("torch.", "") not in _NUMPY_DTYPES or cpu.is_conj()
-    if raw:  # bfloat16, float8, ...: ship the raw bytes
-        array = cpu.resolve_conj().reshape(-1).view(torch.uint8).numpy()
-    else:
-        array = cpu.numpy()
+    # raw (bfloat16, float8, ..., or a conjugate view): ship the raw bytes
+    array = cpu.resolve_conj().reshape(-1).view(torch.uint8).numpy() if raw else cpu.numpy()
     return (_rebuild_tensor, (array, cpu.dtype, tuple(cpu.shape), device, requires_grad, raw))
 
 

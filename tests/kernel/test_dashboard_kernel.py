@@ -167,7 +167,8 @@ def test_dashboard_live_through_the_kernel(kernel: KernelSession):
     while seen_dead is None and time.monotonic() - t_kill < 10:
         w.pump(0.05)
         for t, mid, state in w.updates[n1:]:
-            if mid == dash_id and state.get("figures", {}).get("ranks", {}).get("3", {}).get("dead"):
+            if mid == dash_id and (
+                    state.get("figures", {}).get("ranks", {}).get("3", {}).get("dead")):
                 seen_dead = t
                 break
     assert seen_dead is not None, "rank 3 never shown dead"

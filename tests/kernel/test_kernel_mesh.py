@@ -92,8 +92,8 @@ def test_ranks_slices(k4):
 
 
 def test_push_pull_round_trip(k4):
-    r = k4.execute("import torch\nt = torch.arange(6.).reshape(2, 3)\nd = {'lr': 0.1, 'k': [1, 2]}\n"
-                   "%mesh push t d")
+    r = k4.execute("import torch\nt = torch.arange(6.).reshape(2, 3)\n"
+                   "d = {'lr': 0.1, 'k': [1, 2]}\n%mesh push t d")
     assert r.status == "ok", r.error_text()
     r = k4.execute("%%mesh\nt2 = t * (rank + 1)\nd['rank'] = rank")
     assert r.status == "ok", r.error_text()

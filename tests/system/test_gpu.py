@@ -141,7 +141,7 @@ def test_awkward_cuda_tensors_round_trip(gpu):
               torch.tensor([1 + 2j], device="cuda").conj())            # conjugate bit set
     back = gpu.slice(procs=1).echo.call_one(*values).get(timeout=T)
     assert len(back) == len(values)
-    for sent, got in zip(values, back):
+    for sent, got in zip(values, back, strict=True):
         assert got.device.type == "cuda", got
         assert got.shape == sent.shape and got.dtype == sent.dtype
         assert torch.equal(got.cpu().resolve_conj(), sent.cpu().resolve_conj())

@@ -215,7 +215,8 @@ def test_inside_an_allocation_steps_are_started_with_srun(slurm, tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(ALLOC_DRIVER))
     cp = subprocess.run(["salloc", "-n2", sys.executable, str(driver)], check=False,
-                        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+                        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+                        cwd=str(tmp_path))
     assert cp.returncode == 0, cp.stdout + cp.stderr
     out = dict(line.split(" ", 1) for line in cp.stdout.splitlines() if " " in line)
     job = re.search(r"Granted job allocation (\d+)", cp.stderr).group(1)

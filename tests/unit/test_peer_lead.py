@@ -100,7 +100,8 @@ def test_idle_callee_and_waiting_caller_read_their_own_messages(lead, monkeypatc
         before = peers.stats.call().get(timeout=30).values()
         assert a.ping.call_one(b, calls).get(timeout=120) == sum(range(calls))
         after = peers.stats.call().get(timeout=30).values()
-        got = [{k: y[k] - x[k] for k in ("in", "out", "led")} for x, y in zip(before, after)]
+        got = [{k: y[k] - x[k] for k in ("in", "out", "led")}
+               for x, y in zip(before, after, strict=True)]
         assert got[0]["in"] == calls and got[1]["in"] == calls, got  # replies; calls
         if lead == "1":
             # most replies read by the caller's own waiting thread, most calls by the

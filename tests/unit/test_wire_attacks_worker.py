@@ -257,7 +257,8 @@ def test_garbage_frames_are_dropped(fake, marker):
         [envelope(head, evil, magic=b"MK/3")],  # another protocol version
         [b"MK/1" + sealed[4:]],  # ... even correctly signed, a wrong magic is refused
         [rng.bytes(int(n)) for n in rng.integers(0, 300, size=7)],
-        [protocol.MAGIC + rng.bytes(300), *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=4))],
+        [protocol.MAGIC + rng.bytes(300),
+         *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=4))],
     ]
     _attack(fake, marker, messages)
 
