@@ -171,11 +171,12 @@ class PeerIO:
             self._accepted[ident] = lane
             self._watch(lane, poller, lanes)
 
-    def _worker_poller(self) -> FdPoller | None:
-        """The worker's lead poller, where peer lanes are watched too (None: the
-        worker has none: ZeroMQ to its controller, no EPOLLEXCLUSIVE,
-        MONARCH_PEER_LEAD=0, or stopping)."""
-        return getattr(self.worker, "_lead_poller", None)
+    def _worker_poller(self) -> Any:
+        """The worker's followers' poller, where peer lanes are watched too (None:
+        the worker has none: ZeroMQ to its controller, no EPOLLEXCLUSIVE,
+        MONARCH_PEER_LEAD=0)."""
+        io = getattr(self.worker, "io", None)
+        return None if io is None else io.follower_poller
 
     def _watch(self, lane: _lane.Lane, poller: FdPoller, lanes: dict[int, _lane.Lane]) -> None:
         """Watch a new peer lane (the I/O thread): in the worker's poller first,
@@ -187,18 +188,16 @@ class PeerIO:
         nobody waits there (the actor is busy: buffer reads are served at
         once all the same). A leader/follower pair, as in ``worker_io``."""
         fd = lane.fileno()
-        wp = self._worker_poller()
-        if wp is not None:
+        shared = False
+        if self._worker_poller() is not None:
             with self._lanes_lock:
                 self._shared[fd] = lane
-            try:
-                wp.register(fd, exclusive=True)
-            except (OSError, ValueError):  # (the worker is stopping: its poller is closed)
+            shared = self.worker.io.share(fd, self.read_shared)
+            if not shared:  # (the worker is stopping: its poller is closed)
                 with self._lanes_lock:
                     self._shared.pop(fd, None)
-                wp = None
         lanes[fd] = lane
-        poller.register(fd, exclusive=wp is not None)
+        poller.register(fd, exclusive=shared)
 
     def read_shared(self, fd: int) -> bool:
         """Read and handle the peer lane ``fd`` (the thread that leads the
@@ -223,9 +222,8 @@ class PeerIO:
             if self._shared.get(fd) is not lane:
                 return False
             del self._shared[fd]
-        wp = self._worker_poller()
-        if wp is not None:
-            wp.unregister(fd)
+        if self._worker_poller() is not None:
+            self.worker.io.unshare(fd)
         return True
 
     def _drain(self, lane: _lane.Lane, wait: bool = False) -> int | None:

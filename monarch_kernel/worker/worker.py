@@ -54,8 +54,8 @@ from monarch_kernel.errors import RemoteError, SerializationError, _ranks_label
 from monarch_kernel.transport.lane import Lane
 from monarch_kernel.worker.sched import batch_scheduling
 from monarch_kernel.wire.serialize import cuda_ipc, reply_content
-from monarch_kernel.transport.sockets import FdPoller, Outbox, connect_dealer, inproc_pair, send_frames
-from monarch_kernel.worker.io import WorkerIO, _exit
+from monarch_kernel.transport.sockets import Outbox, connect_dealer, inproc_pair, send_frames
+from monarch_kernel.worker.io import MessageRouting, WorkerIO, exit_now
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 log = logging.getLogger("monarch_kernel.worker.worker")
@@ -79,8 +79,12 @@ if hasattr(os, "register_at_fork"):
 current: Worker | None = None
 
 
-class Worker(WorkerIO):
+class Worker(MessageRouting):
     """State and loops of one worker process.
+
+    Its I/O is :attr:`io` (:class:`~monarch_kernel.worker.io.WorkerIO`, on the
+    one I/O engine); a verified message from the controller goes to
+    ``_dispatch`` (:class:`~monarch_kernel.worker.io.MessageRouting`).
 
     Parameters
     ----------
@@ -180,17 +184,35 @@ class Worker(WorkerIO):
         self.namespace = self.module.__dict__
         self.loop: asyncio.AbstractEventLoop | None = None
         self.capture: FdCapture | None = None
-        # leader/follower state (see _io_loop)
-        self._lead = threading.Lock()
-        self._want = 0
-        self._want_lock = threading.Lock()
-        self._led_at = 0.0
-        self._leader: int | None = None  # the thread that holds _lead, while it polls
-        self._lead_poller: FdPoller | None = None  # actors' and callers' (worker_io)
-        self._lead_waits = 0  # threads in lead_wait
-        self._poller: zmq.Poller | FdPoller | None = None
-        self._last_heard = self._last_sent = time.monotonic()
-        self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        #: the I/O: the connection to the controller, leader/follower (worker.io)
+        self.io = WorkerIO(self)
+        self.io_thread = self.io.thread
+
+    # ------------------------------------------------------------------ I/O
+    @property
+    def _leader(self) -> int | None:
+        """The ident of the thread that leads the I/O now (None: nobody)."""
+        return self.io.engine.leader
+
+    def wake(self) -> bool:
+        """Wake the thread that leads from its poll (:meth:`WorkerIO.wake`)."""
+        return self.io.wake()
+
+    def lead_until(self, q: Any, actors: int = 1) -> bool:
+        """Lead the I/O until ``q`` has an item (:meth:`WorkerIO.lead_until`)."""
+        return self.io.lead_until(q, actors)
+
+    def lead_wait(self, flag: Any, timeout: float | None = None) -> bool:
+        """Wait for ``flag``, leading the I/O meanwhile (:meth:`WorkerIO.lead_wait`)."""
+        return self.io.lead_wait(flag, timeout)
+
+    def wake_leader(self) -> None:
+        """Wake a thread in :meth:`lead_wait` (:meth:`WorkerIO.wake_leader`)."""
+        self.io.wake_leader()
+
+    def send_encoded(self, frames: list[Any]) -> None:
+        """Send encoded ``frames`` to the controller (any thread)."""
+        self._send_frames(frames)
 
     # ---------------------------------------------------------------- sending
     def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
@@ -230,7 +252,7 @@ class Worker(WorkerIO):
     # ----------------------------------------------------------- main thread
     def serve(self) -> int:
         """Run the main loop until a ``stop`` request; returns the exit code."""
-        self.io_thread.start()
+        self.io.start()
         self.send(
             "hello",
             {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -575,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     display.install()
     code = w.serve()
     w.shutdown()
-    _exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":
