@@ -225,18 +225,23 @@ class Duty:
         Called by the leader with ``time.monotonic()``.
     last : float
         Monotonic time of its last run (or of its registration).
+    active : bool
+        False: it neither runs nor bounds the poll (a duty armed now and then).
     """
 
     period_s: float
     fn: Callable[[float], None]
     last: float
+    active: bool = True
 
 
 class _Source:
-    __slots__ = ("handler", "order", "spin", "shared")
+    __slots__ = ("exclusive", "handler", "order", "shared", "spin")
 
-    def __init__(self, handler: Handler, order: int, spin: bool, shared: bool) -> None:
+    def __init__(self, handler: Handler, order: int, spin: bool, shared: bool,
+                 exclusive: bool = False) -> None:
         self.handler, self.order, self.spin, self.shared = handler, order, spin, shared
+        self.exclusive = exclusive
 
 
 #: what Engine._acquire returns once the calling thread holds the lead
@@ -312,7 +317,7 @@ class Engine:
                                                                    self.follower_poller]
 
     def add(self, source: zmq.Socket | int, handler: Handler, *, order: int = 0,
-            spin: bool = False, shared: bool = False) -> bool:
+            spin: bool = False, shared: bool = False, exclusive: bool = False) -> bool:
         """Watch ``source`` and call ``handler(source)`` when it has input (any thread).
 
         Parameters
@@ -330,6 +335,9 @@ class Engine:
             An fd watched by the followers' poller alone, with ``EPOLLEXCLUSIVE``
             (another thread watches it too, with its own poller registered
             after this one, and must cope with finding it read).
+        exclusive : bool
+            An fd watched with ``EPOLLEXCLUSIVE`` (``shared`` implies it): another
+            thread's poller registered before this one is woken first.
 
         Returns
         -------
@@ -337,7 +345,7 @@ class Engine:
             False if ``shared`` cannot be had (no followers' poller, or the
             engine is closed); True otherwise.
         """
-        how = _Source(handler, order, spin, shared)
+        how = _Source(handler, order, spin, shared, exclusive)
         if shared:
             fp = self.follower_poller
             if fp is None or isinstance(source, zmq.Socket):
@@ -360,7 +368,7 @@ class Engine:
     def _add_now(self, source: Any, how: _Source) -> None:
         self._sources[source] = how
         for p in self._pollers():
-            p.register(source)
+            p.register(source, exclusive=how.exclusive)
         if isinstance(source, zmq.Socket):
             self._socks.append(source)
             if how.spin:
@@ -415,12 +423,14 @@ class Engine:
         for p in self._pollers():
             p.touched(sock)
 
-    def every(self, period_s: float, fn: Callable[[float], None]) -> Duty:
+    def every(self, period_s: float, fn: Callable[[float], None],
+              active: bool = True) -> Duty:
         """Run ``fn(now)`` every ``period_s`` seconds (0: after every step), by
-        the leader after a step. A duty with a period bounds the poll, so that
-        it is never late by more than a poll of no wait. Register before
-        :meth:`start`."""
-        duty = Duty(period_s, fn, time.monotonic())
+        the leader after a step. An active duty with a period bounds the poll,
+        so that it is never late by more than a poll of no wait. The leader may
+        change the duty's ``active`` and ``last`` (to arm it for later).
+        Register before :meth:`start`."""
+        duty = Duty(period_s, fn, time.monotonic(), active)
         self._duties.append(duty)
         return duty
 
@@ -713,7 +723,7 @@ class Engine:
         if timeout_ms:
             now = time.monotonic()
             for d in self._duties:
-                if d.period_s:
+                if d.period_s and d.active:
                     due_ms = int((d.last + d.period_s - now) * 1000) + 1
                     if due_ms < timeout_ms:
                         timeout_ms = max(0, due_ms)
@@ -742,6 +752,6 @@ class Engine:
             return
         now = time.monotonic()
         for d in self._duties:
-            if now - d.last >= d.period_s:
+            if d.active and now - d.last >= d.period_s:
                 d.last = now
                 d.fn(now)
