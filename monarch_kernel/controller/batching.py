@@ -27,8 +27,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from monarch_kernel.errors import MeshFailure, TransportError
 from monarch_kernel.controller.request import RankInfo, Request
+from monarch_kernel.errors import MeshFailure, TransportError
+from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 
 __all__ = ["HOLD_S", "MAX_CALLS", "MIN_PENDING", "BatchHost", "Batcher", "Batches", "may_hold"]
@@ -120,7 +121,7 @@ class BatchHost(Protocol):
         """Send ``frames`` to ``ranks`` now (raises TransportError)."""
         ...
 
-    def wait_for(self, event: threading.Event, timeout: float | None = None) -> bool:
+    def wait_for(self, event: Flag | threading.Event, timeout: float | None = None) -> bool:
         """Wait for ``event`` doing the controller's I/O."""
         ...
 

@@ -46,6 +46,7 @@ from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
 from monarch_kernel.transport.lane import prepare as lane_prepare
 from monarch_kernel.controller.request import RankInfo, Request
 from monarch_kernel.wire.serialize import cuda_ipc
+from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 from monarch_kernel.transport.engine import Engine
@@ -184,7 +185,7 @@ class Controller:
         """How many times a contended core turned the spin off."""
         return self.engine.spin_contended
 
-    def wait_for(self, event: threading.Event, timeout: float | None = None) -> bool:
+    def wait_for(self, event: Flag | threading.Event, timeout: float | None = None) -> bool:
         """Wait until ``event`` is set, leading the I/O meanwhile
         (:meth:`ControllerIO.wait_for <monarch_kernel.controller.io.ControllerIO.wait_for>`);
         True if it was set."""

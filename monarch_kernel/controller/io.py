@@ -42,10 +42,18 @@ import zmq
 
 from monarch_kernel.controller.request import RankInfo
 from monarch_kernel.errors import TransportError
-from monarch_kernel.transport.engine import (CONTENDED_OFF_S, CONTENDED_S, MAX_MISSES, SPIN_US,
-                                             Engine, EngineSettings, spin_seconds)
+from monarch_kernel.transport.engine import (
+    CONTENDED_OFF_S,
+    CONTENDED_S,
+    MAX_MISSES,
+    SPIN_US,
+    Engine,
+    EngineSettings,
+    spin_seconds,
+)
 from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import drain, send_frames
+from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 
 log = logging.getLogger("monarch_kernel.controller.controller")
@@ -180,7 +188,7 @@ class ControllerIO:
         self.pull.close(0)
 
     # ------------------------------------------------------------ waiting
-    def wait_for(self, event: threading.Event, timeout: float | None = None) -> bool:
+    def wait_for(self, event: Flag | threading.Event, timeout: float | None = None) -> bool:
         """Wait until ``event`` is set, doing the controller's I/O meanwhile.
 
         The calling thread leads the I/O (see above) while it waits, so the
@@ -189,7 +197,7 @@ class ControllerIO:
 
         Parameters
         ----------
-        event : threading.Event
+        event : Flag or threading.Event
             Set by a done-callback of the request waited for.
         timeout : float or None
             Seconds; None waits as long as it takes.

@@ -154,7 +154,7 @@ class WorkerIO:
         for inst in list(self.host.actors.values()):
             try:
                 held = inst.flush_stale() or held
-            except Exception:  # noqa: BLE001 - the connection is closing
+            except Exception:  # the connection is closing
                 log.debug("could not flush held replies", exc_info=True)
         return held
 
@@ -250,6 +250,7 @@ class WorkerIO:
     # ------------------------------------------------------------ a step
     def _on_pull(self, pull: zmq.Socket) -> None:
         dealer = self.host.dealer
+        assert dealer is not None  # (frames come here only without a lane or `up`)
         for frames in drain(pull):
             if len(frames) == 1 and not frames[0].buffer.nbytes:
                 continue  # (a wake-up)
@@ -291,11 +292,12 @@ class WorkerIO:
     def _beat(self, now: float) -> None:
         host = self.host
         beat = host.codec.encode("heartbeat")
-        if host.up is not None or host.lane is not None:
+        dealer = host.dealer
+        if host.up is not None or host.lane is not None or dealer is None:
             host.send_encoded(beat)
         else:
-            send_frames(host.dealer, beat)
-            self.engine.touched(host.dealer)
+            send_frames(dealer, beat)
+            self.engine.touched(dealer)
         if not self._controller_alive():
             log.warning("rank %d: the controller process is gone; exiting", host.rank)
             exit_now(0)
@@ -322,6 +324,14 @@ class WorkerIO:
 class MessageRouting:
     """Where a verified message from the controller goes (the worker's part
     that :class:`WorkerIO` calls, as ``Worker._dispatch``)."""
+
+    # (the worker's, set by Worker.__init__)
+    busy: bool
+    main_thread_id: int
+    codec: protocol.Codec
+    keyring: dict[str, bytes]
+    dropped_keys: set[str]
+    requests: queue.Queue[protocol.Message | None]
 
     def _dispatch(self, msg: protocol.Message) -> None:
         if msg.type == "heartbeat":

@@ -38,7 +38,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 import types
 from typing import Any

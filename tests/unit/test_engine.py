@@ -52,6 +52,14 @@ def _until(cond: Any, what: str) -> None:
         time.sleep(0.001)
 
 
+def _steps(e: Engine, n: int) -> None:
+    """Wake the engine's leader ``n`` times, each time until it stepped."""
+    for _ in range(n):
+        stepped = e.stepped_at
+        e.wake()
+        _until(lambda stepped=stepped: e.stepped_at != stepped, "a step")
+
+
 @pytest.fixture
 def made():
     """Engines made by a test, stopped and joined at its end."""
@@ -97,7 +105,7 @@ def test_spin_seconds() -> None:
 
 
 def test_fd_source_is_handled_by_the_io_thread(made, pair) -> None:
-    e, user = made()
+    e, _ = made()
     a, b = pair
     got: list[tuple[bytes, str]] = []
     e.add(a.fileno(), lambda fd: got.append((a.recv(100), threading.current_thread().name)))
@@ -116,15 +124,9 @@ def test_source_added_from_another_thread_and_removed(made, pair) -> None:
     b.send(b"x")
     _until(lambda: got == [b"x"], "a source added while the leader sleeps")
     e.remove(a.fileno())  # (from the next step on: one goes by)
-    for _ in range(2):
-        stepped = e.stepped_at
-        e.wake()
-        _until(lambda: e.stepped_at != stepped, "a step after the removal")
+    _steps(e, 2)
     b.send(b"y")
-    for _ in range(2):
-        stepped = e.stepped_at
-        e.wake()
-        _until(lambda: e.stepped_at != stepped, "a step after the send")
+    _steps(e, 2)
     assert got == [b"x"]
 
 
