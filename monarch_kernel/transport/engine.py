@@ -697,14 +697,14 @@ class Engine:
     # ------------------------------------------------------------- a step
     def _guarded_step(self, poller: FdPoller, timeout_ms: int) -> None:
         if not self.settings.survive_step_errors:
-            self.step(poller, timeout_ms)
+            self._step(poller, timeout_ms)
             return
         try:
-            self.step(poller, timeout_ms)
+            self._step(poller, timeout_ms)
         except Exception:  # one bad step (a user's callback, ...) must not stop the I/O
             log.exception("%s: an I/O step failed; going on", self.settings.name)
 
-    def step(self, poller: FdPoller, timeout_ms: int) -> None:
+    def _step(self, poller: FdPoller, timeout_ms: int) -> None:
         """One turn of the I/O, by the leader: poll ``poller`` up to ``timeout_ms``
         milliseconds, handle the sources with input, run the duties that are due."""
         if self._pending:
