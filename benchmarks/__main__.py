@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--json out.json] [--quick]``: the whole suite.
+"""``python -m benchmarks [--json out.json] [--quick] [--compare KIND]``: the whole suite.
 
 Measures, in one run on this machine: the raw pyzmq baseline, our figures
 (latency also in blocks alternating with the baseline, :mod:`.paired`),
@@ -7,6 +7,11 @@ against ``%px pass`` (both kernels up, cells in alternating blocks, with a
 plain ``pass`` in each kernel for its own floor), telemetry overhead, idle
 worker memory and fan-out growth. Prints a table; the JSON holds every figure and each of ours as a
 ratio to the raw baseline of the same run.
+
+One result per machine kind is kept in ``benchmarks/baselines/KIND.json``
+(``vm-2cores``, ``h200-16cores``; ``h200-gpu`` for :mod:`.gpu`).
+``--compare KIND`` (or a path) prints this run's ratios next to that
+baseline's; ``--json baselines`` writes the result there, under ``--kind``.
 """
 
 from __future__ import annotations
@@ -17,16 +22,17 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from monarch_kernel.util.switches import lanes_enabled, sched_batch_enabled
 
-from tests import actor_peers
-from tests import bare_echo
-from tests import ours
-from tests import paired
-from tests import peers
-from tests import raw_zmq
+from benchmarks import actor_peers
+from benchmarks import bare_echo
+from benchmarks import ours
+from benchmarks import paired
+from benchmarks import peers
+from benchmarks import raw_zmq
 
 METRICS = ["call_p50_us", "call_p99_us", "bcast_p50_us", "peer_call_p50_us", "calls_per_s",
            "tensor_gbps", "p2p_gbps", "rdma_gbps", "spawn_s"]
@@ -100,7 +106,7 @@ def run(quick: bool = False, sizes: tuple[int, ...] = (2, 4), kernels: bool = Tr
                                                    / cell["ipyparallel_px"])
     result["cell_p50_us"] = cell
     print("[bench] telemetry overhead", file=sys.stderr, flush=True)
-    from tests import telemetry_overhead
+    from benchmarks import telemetry_overhead
 
     tel = telemetry_overhead.measure(seconds=6 if quick else 20, ranks=2)
     result["telemetry_cpu_pct"] = tel.get("sampler_pct_of_core")
@@ -229,6 +235,41 @@ def _rest(lines: list[str], result: dict[str, Any]) -> None:
                      + f"; ours / raw at N=64: {fan['ratio_to_raw_n64']:.2f}x")
 
 
+#: where one result per machine kind is kept (``KIND.json``)
+BASELINES = Path(__file__).resolve().parent / "baselines"
+
+
+def baseline_path(kind_or_path: str) -> Path:
+    """The baseline file of a machine kind (``vm-2cores``), or the path as given
+    when it names an existing file."""
+    p = Path(kind_or_path)
+    return p if p.suffix == ".json" or p.exists() else BASELINES / f"{kind_or_path}.json"
+
+
+def compare(result: dict[str, Any], baseline: dict[str, Any]) -> str:
+    """This run's ratios to raw pyzmq next to a baseline's, per worker count:
+    both are ratios within their own run, so they compare across runs."""
+    lines = ["\nratio to raw pyzmq: this run / baseline "
+             "(times: lower is better; calls_per_s and GB/s: higher)"]
+    for n, row in result["n"].items():
+        base = baseline.get("n", {}).get(n)
+        if not base:
+            lines.append(f"N = {n}: not in the baseline")
+            continue
+        pairs = [(m, v, base.get("ratio_to_raw", {}).get(m))
+                 for m, v in row["ratio_to_raw"].items()]
+        pr, bpr = row.get("paired", {}), base.get("paired", {})
+        pairs += [(f"{m} (alternating)", v, bpr.get("ratio_to_raw", {}).get(m))
+                  for m, v in pr.get("ratio_to_raw", {}).items()]
+        lines.append(f"N = {n}: " + ", ".join(
+            f"{m} {v:.2f}x / " + ("-" if b is None else f"{b:.2f}x") for m, v, b in pairs))
+    fan, bfan = result.get("fanout", {}), baseline.get("fanout", {})
+    if "ratio_n64_to_n1" in fan and "ratio_n64_to_n1" in bfan:
+        lines.append(f"fan-out N=64 / N=1: {fan['ratio_n64_to_n1']:.1f}x / "
+                     f"{bfan['ratio_n64_to_n1']:.1f}x")
+    return "\n".join(lines)
+
+
 #: set in the environment of the benchmark run by its reaper (benchmarks/reaper.py)
 _REAPED = "MONARCH_BENCH_REAPED"
 
@@ -238,24 +279,37 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(_REAPED) != "1" and sys.platform.startswith("linux"):
         # run as the child of a subreaper, so that whatever the peers start (ipyparallel
         # engines, Ray's daemons, kernels) ends with the run, even a run killed outright
-        from tests.reaper import run_reaped
+        from benchmarks.reaper import run_reaped
 
         return run_reaped([sys.executable, "-m", "benchmarks", *argv],
                           env={**os.environ, _REAPED: "1"})
     p = argparse.ArgumentParser(prog="python -m benchmarks")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", help="write every figure to this file ('baselines': to "
+                   "benchmarks/baselines/KIND.json, KIND from --kind)")
+    p.add_argument("--kind", help="machine kind of --json baselines (vm-2cores, h200-16cores)")
+    p.add_argument("--compare", metavar="KIND|PATH",
+                   help="print the ratios next to those of benchmarks/baselines/KIND.json")
     p.add_argument("--quick", action="store_true", help="fewer iterations (about a minute)")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the cells through Jupyter kernels (where Jupyter is not installed)")
     p.add_argument("--sizes", default="2,4", help="worker counts, comma-separated (2,4)")
     a = p.parse_args(argv)
+    if a.json == "baselines" and not a.kind:
+        p.error("--json baselines needs --kind (e.g. vm-2cores)")
+    base = None
+    if a.compare:
+        with open(baseline_path(a.compare)) as f:
+            base = json.load(f)
     t0 = time.time()
     sizes = tuple(int(x) for x in a.sizes.split(","))
     result = run(quick=a.quick, sizes=sizes, kernels=not a.no_kernels)
     result["seconds"] = time.time() - t0
     print(table(result))
+    if base is not None:
+        print(compare(result, base))
     if a.json:
-        with open(a.json, "w") as f:
+        out = baseline_path(a.kind) if a.json == "baselines" else Path(a.json)
+        with open(out, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return 0
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from tests.stats import best_gbps, best_of, latencies_us, p50, p99
+from benchmarks.stats import best_gbps, best_of, latencies_us, p50, p99
 
 MiB = 1 << 20
 #: seconds a peer's child process may take before it is killed (a run takes 10-30 s)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 
-from tests.stats import fanout_p50_us
+from benchmarks.stats import fanout_p50_us
 
 _WORKER = """
 import os, sys

@@ -13,7 +13,7 @@ import psutil
 from monarch_kernel import Actor, endpoint
 from monarch_kernel.mesh.procmesh import spawn_procs
 
-from tests.stats import best_gbps, latencies_us, p50, p99
+from benchmarks.stats import best_gbps, latencies_us, p50, p99
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 

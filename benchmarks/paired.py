@@ -1,7 +1,7 @@
 """Latency of ours and of the raw baseline, measured in alternating blocks.
 
 On a shared VM the speed of the machine drifts over seconds (the raw pyzmq
-no-op call moved between 50 and 140 us within one session). With both meshes
+no-op call can move by 2x within minutes). With both meshes
 up, blocks of calls alternate between the raw DEALER/ROUTER echo and our
 actor endpoints, so both see the same machine and their ratio compares like
 with like. Figures: ``call_p50_us``, ``call_p99_us`` (one worker) and
@@ -35,9 +35,9 @@ from typing import Any
 
 from monarch_kernel.mesh.procmesh import spawn_procs
 
-from tests.ours import Bench
-from tests.raw_zmq import RawMesh
-from tests.stats import latencies_us, p50, p99
+from benchmarks.ours import Bench
+from benchmarks.raw_zmq import RawMesh
+from benchmarks.stats import latencies_us, p50, p99
 
 #: seconds of idleness before each call of ``call_idle_p50_us``
 IDLE_S = 0.0015

@@ -7,7 +7,7 @@ import importlib.util
 import time
 from typing import Any
 
-from tests.stats import best_gbps, latencies_us, p50, p99
+from benchmarks.stats import best_gbps, latencies_us, p50, p99
 
 MiB = 1 << 20
 

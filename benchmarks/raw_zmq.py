@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tests.stats import fanout_p50_us, latencies_us, p50, p99
+from benchmarks.stats import fanout_p50_us, latencies_us, p50, p99
 
 MiB = 1 << 20
 
@@ -177,7 +177,7 @@ def measure(n: int, calls: int = 2000, big: bool = True) -> dict[str, float]:
 
 def fanout(sizes: tuple[int, ...] = (1, 4, 16, 64), calls: int = 200) -> dict[str, float]:
     """The raw ``bcast_p50_us`` for N echo workers: how far this machine itself
-    lets a broadcast grow with N (64 processes on 2 cores take turns)."""
+    lets a broadcast grow with N (where processes outnumber cores, they take turns)."""
     return fanout_p50_us(RawMesh, sizes, calls)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import threading
 import traceback
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "ActorError",
@@ -41,7 +41,10 @@ __all__ = [
     "RemoteFailure",
     "SerializationError",
     "TransportError",
+    "compact_ranks",
     "group_failures",
+    "raise_request_failures",
+    "ranks_label",
     "remote_exception",
 ]
 
@@ -141,7 +144,7 @@ class RemoteError(MonarchError):
 
     def __str__(self) -> str:
         base = self._remote_message()
-        label = f"{_ranks_label(getattr(self, 'ranks', []))}: "
+        label = f"{ranks_label(getattr(self, 'ranks', []))}: "
         # an error let through the rank it came from (another actor of that rank, or
         # a wait cycle's way back) is labelled once: "rank 1: rank 1: x" reads "rank 1: x"
         return base if base.startswith(label) else label + base
@@ -194,7 +197,7 @@ class RemoteError(MonarchError):
 
     def _render_traceback_(self) -> list[str]:
         """Lines IPython shows instead of the local traceback."""
-        head = f"{_ranks_label(self.ranks)}"
+        head = f"{ranks_label(self.ranks)}"
         if self.actor:
             head += f" (actor {self.actor})"
         lines = [f"\x1b[1;31m{head} raised {self.remote_type}\x1b[0m"]
@@ -213,15 +216,16 @@ class ActorError(RemoteError):
     """An exception raised inside an actor endpoint (see :class:`RemoteError`)."""
 
 
-def _ranks_label(ranks: list[int]) -> str:
+def ranks_label(ranks: list[int]) -> str:
+    """How messages name ``ranks``: ``"rank 3"``, ``"ranks 0:3,5"``, ``"remote"`` (none)."""
     if not ranks:
         return "remote"
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    return "ranks " + _compact(ranks)
+    return "ranks " + compact_ranks(ranks)
 
 
-def _compact(ranks: list[int]) -> str:
+def compact_ranks(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0:3,5"`` (half-open ranges, like ``--ranks``)."""
     out: list[str] = []
     rs = sorted(ranks)
@@ -361,3 +365,40 @@ def group_failures(failures: list[RemoteFailure]) -> list[list[RemoteFailure]]:
     for f in sorted(failures, key=lambda f: f.rank):
         groups.setdefault(f.key(), []).append(f)
     return list(groups.values())
+
+
+class FailedRequest(Protocol):
+    """What :func:`raise_request_failures` reads of a request
+    (:class:`monarch_kernel.controller.request.Request` is one)."""
+
+    failure: MeshFailure | None
+
+    def failures(self, actor: str | None = None) -> list[RemoteFailure]: ...
+
+
+def raise_request_failures(req: FailedRequest, actor: str | None = None) -> None:
+    """Raise what went wrong with ``req``, if anything (``ProcMesh.collect``, an actor spawn).
+
+    Raises
+    ------
+    MeshFailure
+        ``req.failure`` (a rank died, the mesh stopped), with the ranks that raised
+        too in its ``others``.
+    RemoteError
+        (:class:`ActorError` when ``actor`` is given) for the ranks that raised; an
+        instance of the original exception type as well, other groups of ranks that
+        raised alike in its ``others``.
+    """
+    failures = req.failures(actor)
+    if req.failure is not None:
+        if failures:  # ranks that failed too (often because of the dead one)
+            req.failure.others = [remote_exception(g) for g in group_failures(failures)]
+        raise req.failure
+    if failures:
+        base = ActorError if actor else RemoteError
+        groups = group_failures(failures)
+        if len(groups) == 1:
+            raise remote_exception(groups[0], base)
+        err = remote_exception(groups[0], base)
+        err.others = [remote_exception(g, base) for g in groups[1:]]
+        raise err

@@ -91,7 +91,7 @@ EOF
 
 # ------------------------------------------------------------------ 3. tests
 files=()
-for f in tests/test_gpu.py tests/test_buffer.py tests/test_buffer_edges.py tests/test_shm_recycle.py tests/test_tensors.py tests/test_actors.py tests/test_peer_calls.py tests/test_peer_lanes.py tests/test_lane.py; do
+for f in tests/system/test_gpu.py tests/unit/test_buffer.py tests/unit/test_buffer_edges.py tests/unit/test_shm_recycle.py tests/unit/test_tensors.py tests/unit/test_actors.py tests/unit/test_peer_calls.py tests/unit/test_peer_lanes.py tests/unit/test_lane.py; do
     if [ -f "$f" ]; then files+=("$f"); else echo "(no $f: skipped)"; fi
 done
 t=$(( $(left) - BENCH_T - 10 ))

@@ -51,8 +51,8 @@ else
 fi
 
 # 4. The package itself, editable, with the test extras.
-say "installing monarch-kernel (editable, with [test] extras)"
-"$PY" -m pip install -q -e ".[test]" || die "pip install -e .[test] failed"
+say "installing monarch-kernel (editable, with [test,lint] extras)"
+"$PY" -m pip install -q -e ".[test,lint,docs]" || die "pip install -e .[test,lint,docs] failed"
 
 # 5. The kernelspec, into the venv (found by jupyter/nbclient run from the venv).
 say "installing the kernelspec"

@@ -1,59 +1,44 @@
-"""Shared fixtures: a real monarch kernel, real local meshes, leak checks."""
+"""The test suite's groups and fixtures.
+
+Groups, one directory each, each test marked with its directory's name (so
+``pytest -m unit`` runs one group, ``pytest -m "not system"`` leaves one out):
+
+unit
+    No kernel, no Slurm, no namespaces, no browser: pure functions, and real
+    worker processes whose controller is the test process.
+kernel
+    A real monarch kernel through ``jupyter_client``, and notebooks run by nbclient.
+system
+    What needs more than a user's shell: Slurm, network namespaces, a browser,
+    root, a GPU. These skip, saying why, where the machine lacks it.
+
+The fixtures (``local_mesh``, ``kernel``, ``shared_kernel``) come from the
+library's own pytest plugin, :mod:`monarch_kernel.testing.plugin`, the same one
+that a user of the library gets once it is installed. Helpers that serve more
+than one group (``wire_attack_helpers``) lie in this directory, which is on
+``sys.path`` (``pythonpath`` in pyproject.toml).
+"""
 
 from __future__ import annotations
 
-import os
-import time
+from pathlib import Path
 
 import pytest
 
-from monarch_kernel.testing.kernel import KernelSession, worker_pids
+# The library's plugin is named here too so that a checkout whose install predates its
+# entry point has the fixtures (pytest loads it once either way); pytester tests the plugin.
+pytest_plugins = ["monarch_kernel.testing.plugin", "pytester"]
+
+GROUPS = ("unit", "kernel", "system")
+_HERE = Path(__file__).resolve().parent
 
 
-def _kernel_session():
-    ks = KernelSession()
-    try:
-        yield ks
-    finally:
-        pid = ks.pid
-        ks.shutdown()
-        _assert_no_workers(pid)
-
-
-@pytest.fixture
-def kernel():
-    """A fresh monarch kernel (shut down afterwards; its workers must be gone)."""
-    yield from _kernel_session()
-
-
-@pytest.fixture(scope="module")
-def shared_kernel():
-    """One monarch kernel for a whole test module (faster; tests must not break it)."""
-    yield from _kernel_session()
-
-
-@pytest.fixture
-def local_mesh():
-    """A 4-rank local mesh driven from this test process (the test is the controller)."""
-    from monarch_kernel.mesh.procmesh import spawn_procs
-
-    m = spawn_procs(4)
-    try:
-        yield m
-    finally:
-        m.stop()
-        _assert_no_workers(os.getpid())
-
-
-def _assert_no_workers(controller_pid: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while worker_pids(controller_pid):
-        if time.monotonic() > deadline:
-            left = worker_pids(controller_pid)
-            for pid in left:  # do not leak them into later tests
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-            raise AssertionError(f"worker processes left behind: {left}")
-        time.sleep(0.05)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with the group of the directory it lies in (tests/GROUP/...)."""
+    for item in items:
+        try:
+            rel = item.path.resolve().relative_to(_HERE)
+        except ValueError:  # not under tests/ (e.g. a pytester run)
+            continue
+        if len(rel.parts) > 1 and rel.parts[0] in GROUPS:
+            item.add_marker(getattr(pytest.mark, rel.parts[0]))

@@ -67,22 +67,24 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from monarch_kernel.actor import cycles as actor_cycles
+from monarch_kernel.actor.context import current_actor
 from monarch_kernel.actor.cycles import WaitCycleError
-from monarch_kernel.actor.host import Packed, actor_point, context, dispatch_call, spawn_local, stop_local
-from monarch_kernel.actor.replies import CallOutput, raise_failures, show_display
+from monarch_kernel.actor.host import actor_point, dispatch_call, spawn_local, stop_local
+from monarch_kernel.actor.mesh_keys import check_known
+from monarch_kernel.actor.peers import address_host, peer_host
+from monarch_kernel.actor.rref import pickled_count
+from monarch_kernel.actor.replies import CallOutput
 from monarch_kernel.actor.adverbs import Endpoint
 from monarch_kernel.controller.controller import Request
-from monarch_kernel.errors import ActorError, MeshError, MeshFailure, _ranks_label
+from monarch_kernel.errors import ActorError, MeshError, MeshFailure, ranks_label
 from monarch_kernel.actor.future import Future
 from monarch_kernel.mesh.shape import Point, Shape
-from monarch_kernel.wire.serialize import cuda_ipc
+from monarch_kernel.wire.serialize import Packed, cuda_ipc
 from monarch_kernel.wire.sources import has_code, sources_for
-from monarch_kernel.tensors.store import pickled_count
+from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
+                                          SOURCES, UID, WAITED, Call, StopActor)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
-
-# the names actor_spawn, tensors and kernel.debug_bridge import from here
-_Output, _raise_failures, _display = CallOutput, raise_failures, show_display
 
 __all__ = [
     "Actor",
@@ -90,12 +92,14 @@ __all__ = [
     "Endpoint",
     "Future",
     "WaitCycleError",
+    "actor_record",
     "broadcast_failures",
     "current_rank",
     "current_size",
     "dispatch_call",
     "endpoint",
-    "spawn_actor_mesh",
+    "note_broadcast_failure",
+    "on_a_rank",
     "spawn_local",
     "stop_local",
 ]
@@ -193,7 +197,9 @@ _records: weakref.WeakValueDictionary[str, _Record] = weakref.WeakValueDictionar
 _records_lock = threading.Lock()
 
 
-def _record(uid: str, name: str, procmesh: Any = None) -> _Record:
+def actor_record(uid: str, name: str, procmesh: Any = None) -> _Record:
+    """What every handle of actor mesh ``uid`` shares in this process (made on first
+    use; ``procmesh``: the mesh that spawned it, in the controller that did)."""
     with _records_lock:
         rec = _records.get(uid)
         if rec is None:
@@ -201,9 +207,23 @@ def _record(uid: str, name: str, procmesh: Any = None) -> _Record:
         return rec
 
 
+def note_broadcast_failure(uid: str, err: ActorError) -> None:
+    """Keep the failure of a broadcast to actor mesh ``uid`` (:func:`broadcast_failures`,
+    ``ActorMesh.broadcast_failures``)."""
+    _broadcast_failures.append(err)
+    rec = _records.get(uid)
+    if rec is not None:
+        rec.failures.append(err)
+
+
 def _current_worker() -> Any:
     mod = sys.modules.get("monarch_kernel.worker.worker")
     return getattr(mod, "current", None) if mod is not None else None
+
+
+def on_a_rank() -> bool:
+    """Whether this process is a worker of a mesh (a rank), not a controller."""
+    return _current_worker() is not None
 
 
 # -------------------------------------------------------------- the mesh
@@ -309,8 +329,6 @@ class ActorMesh(Generic[A]):
             return None
         w = _current_worker()
         if w is not None:
-            from monarch_kernel.actor.mesh_keys import check_known
-
             check_known(w, self._mesh, f"actor mesh {self.name!r}")
         return w
 
@@ -339,7 +357,7 @@ class ActorMesh(Generic[A]):
             ctl = pm.controller
             live = [r for r in ranks if ctl.ranks[r].state not in ("dead", "stopped")]
             if live:
-                req = ctl.request(live, "stop_actor", {"name": self.name})
+                req = ctl.request(live, "stop_actor", StopActor(name=self.name))
                 if not req.wait(timeout):
                     log.warning("actor %r did not stop within %s s", self.name, timeout)
         for r in ranks:
@@ -370,24 +388,22 @@ class ActorMesh(Generic[A]):
         if args or kwargs:
             with cuda_ipc(one_here):
                 payload = Packed.pack((args, kwargs))
-        content: dict[str, Any] = {"a": rec.name, "m": method, "u": rec.uid, "p": payload}
+        content: Call = {ACTOR: rec.name, METHOD: method, UID: rec.uid, PAYLOAD: payload}
         if one_here and w is not None:
-            content["i"] = 1  # a worker calls: its reply may hold IPC handles too
+            content[IPC] = 1  # a worker calls: its reply may hold IPC handles too
         if oneway:
-            content["o"] = True
+            content[ONEWAY] = True
             if pickled_count() != handles:
                 # it carries handles (tensors.Ref) that nobody keeps alive until it ran:
                 # the rank takes their values on arrival, before a later "free"
-                content["r"] = True
+                content[REFS] = True
         if keep:
-            content["k"] = keep
+            content[KEEP] = keep
         if (args or kwargs) and has_code(args, kwargs):
-            content["s"] = sources_for([*args, *kwargs.values()])
-        if not oneway and getattr(context, "actor", None) is not None:
-            content["w"] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
+            content[SOURCES] = sources_for([*args, *kwargs.values()])
+        if not oneway and current_actor() is not None:
+            content[WAITED] = 1  # made by an actor: tracked for wait cycles (actor_cycles)
         if w is not None:
-            from monarch_kernel.actor.host import peer_host
-
             foreign = self._foreign(w)
             return peer_host(w).request(ranks, self._peers, content, oneway, mesh=foreign)
         pm = rec.procmesh
@@ -410,10 +426,9 @@ class ActorMesh(Generic[A]):
         """Whether ``rank`` runs on this host, in another process (``w``: the calling
         worker, None in the controller)."""
         if w is not None:  # (not this very process: an IPC handle cannot be opened there)
-            from monarch_kernel.actor.peers import _addr_host, peer_host
-
             here = peer_host(w).address
-            return self._peers[rank] != here and _addr_host(self._peers[rank]) == _addr_host(here)
+            return (self._peers[rank] != here
+                    and address_host(self._peers[rank]) == address_host(here))
         pm = self._record.procmesh
         return pm is not None and rank in pm.controller.local_ranks
 
@@ -429,12 +444,12 @@ class ActorMesh(Generic[A]):
         with rec.lock:
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
-        what = f"{rec.name}.{method} on {_ranks_label(ranks)}"  # (named by a timeout)
+        what = f"{rec.name}.{method} on {ranks_label(ranks)}"  # (named by a timeout)
         if rec.procmesh is not None:  # its controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()
             guard = None
-            if getattr(context, "actor", None) is not None:  # an actor of a worker waits:
+            if current_actor() is not None:  # an actor of a worker waits:
                 # its notices go to the ranks it called, signed with their mesh's key
                 guard = actor_cycles.call_guard(rec.uid, rec.name, ranks, req, self._peers,
                                                 codec=ctl.codec)
@@ -459,14 +474,6 @@ class ActorMesh(Generic[A]):
 def _rebuild(uid: str, name: str, dims: dict[str, int], ranks: list[int],
              peers: dict[int, str], endpoints: tuple[str, ...], class_name: str,
              mesh: str | None = None) -> ActorMesh:
-    return ActorMesh(_record(uid, name), Shape(dims, ranks), peers, endpoints, class_name,
+    return ActorMesh(actor_record(uid, name), Shape(dims, ranks), peers, endpoints, class_name,
                      mesh)
 
-
-def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
-                     kwargs: dict[str, Any], timeout: float | None = None) -> ActorMesh:
-    """Construct ``cls(*args, **kwargs)`` on every rank of ``procmesh``
-    (``ProcMesh.spawn``; see :func:`monarch_kernel.actor.spawn.spawn_actor_mesh`)."""
-    from monarch_kernel.actor.spawn import spawn_actor_mesh as spawn
-
-    return spawn(procmesh, name, cls, args, kwargs, timeout)

@@ -7,7 +7,7 @@ of PyTorch Monarch's endpoint adverbs). ``mesh.method`` is an
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.actor import cycles as actor_cycles
@@ -19,7 +19,17 @@ if TYPE_CHECKING:
     from monarch_kernel.actor.actor_mesh import ActorMesh
     from monarch_kernel.controller.request import Request
 
-__all__ = ["Endpoint"]
+__all__ = ["Endpoint", "set_rref"]
+
+#: what ``Endpoint.rref`` runs: ``rref(endpoint, args, kwargs)``, set by the module of
+#: the handles it returns (:mod:`monarch_kernel.tensors.handles`) when it is imported
+_rref: Callable[[Endpoint, tuple, dict[str, Any]], Any] | None = None
+
+
+def set_rref(rref: Callable[[Endpoint, tuple, dict[str, Any]], Any]) -> None:
+    """Make ``rref(endpoint, args, kwargs)`` the implementation of :meth:`Endpoint.rref`."""
+    global _rref
+    _rref = rref
 
 
 class Endpoint:
@@ -126,10 +136,17 @@ class Endpoint:
     def rref(self, *args: Any, **kwargs: Any) -> Any:
         """Call every actor (from the controller) and keep the results on the ranks;
         returns a handle to them, :class:`monarch_kernel.tensors.handles.Ref` (raises like
-        :meth:`call`)."""
-        from monarch_kernel.tensors.handles import rref_call
+        :meth:`call`).
 
-        return rref_call(self, args, kwargs)
+        Raises
+        ------
+        RuntimeError
+            Outside a controller that spawned the actors (no handles there).
+        """
+        if _rref is None:  # (no handles module loaded: no ProcMesh in this process either)
+            raise RuntimeError("rref() makes handles for the controller; call it from the "
+                               "controller that spawned the actors")
+        return _rref(self, args, kwargs)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
         """Call every actor; return an iterator of one future per actor, in completion

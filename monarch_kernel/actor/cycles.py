@@ -22,7 +22,8 @@ How they are found. Calls from the controller take no part and pay
 nothing; a call an actor makes carries one more key, and a wait that ends
 within :data:`WATCH_AFTER_S` costs nothing more.
 
-* A call made on an actor's thread carries ``"w"``: the worker that gets it
+* A call made on an actor's thread carries ``"w"``
+  (:data:`~monarch_kernel.wire.messages.WAITED`): the worker that gets it
   tracks it (:class:`_Tracked`) while it is queued or running. Calls to the
   actors of another mesh of the program are alike: the notices below go to
   that mesh's ranks, signed with its key as the call was
@@ -63,8 +64,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.actor import peers as actor_peers
+from monarch_kernel.actor.context import current_actor
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import WATCH_AFTER_S  # an actor's thread tells a call's ranks after that long
+from monarch_kernel.wire.messages import (METHOD, WAIT_ACTOR, WAIT_CALL, WAIT_ENTRIES, WAIT_SEQ,
+                                          Call, WaitNotice)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -94,10 +99,10 @@ class _Tracked:
 
     __slots__ = ("c", "method", "mid", "route", "running", "seq", "waiters")
 
-    def __init__(self, mid: str, c: dict[str, Any], route: list[bytes]) -> None:
+    def __init__(self, mid: str, c: Call, route: list[bytes]) -> None:
         self.mid = mid
         self.c = c
-        self.method = c.get("m", "?")
+        self.method = c.get(METHOD, "?")
         self.route = route
         self.running = False
         self.seq = 0  # number of the newest notice taken
@@ -122,7 +127,7 @@ class _Wait:
 
 
 # ------------------------------------------------------ the serving side
-def track(inst: Any, mid: str, c: dict[str, Any], route: list[bytes]) -> None:
+def track(inst: Any, mid: str, c: Call, route: list[bytes]) -> None:
     """A call made by an actor arrived for ``inst`` (the thread that read it, before
     it is queued)."""
     with inst.wait_lock:
@@ -146,20 +151,21 @@ def end(inst: Any, mid: str) -> None:
         inst.tracked.pop(mid, None)
 
 
-def on_notice(worker: Any, content: Any) -> None:
+def on_notice(worker: Any, content: WaitNotice) -> None:
     """A wait notice arrived (read by the peer thread, or the worker's leading
     thread); fail the call it shows to close a cycle."""
     try:
-        inst = worker.actors.get(content["a"])
+        inst = worker.actors.get(content[WAIT_ACTOR])
         if inst is None:
             return
         err = t = None
         with inst.wait_lock:
-            t = inst.tracked.get(content["i"])
-            if t is None or content["n"] <= t.seq:
+            t = inst.tracked.get(content[WAIT_CALL])
+            if t is None or content[WAIT_SEQ] <= t.seq:
                 return  # done already, or an older notice
-            t.seq = content["n"]
-            t.waiters = tuple(tuple(e) for e in content["r"][:MAX_ENTRIES]  # type: ignore[misc]
+            t.seq = content[WAIT_SEQ]
+            entries = content[WAIT_ENTRIES][:MAX_ENTRIES]
+            t.waiters = tuple(tuple(e) for e in entries  # type: ignore[misc]
                               if isinstance(e, (tuple, list)) and len(e) == 6)
             if not t.running:
                 path = _cycle(inst, t)
@@ -172,9 +178,18 @@ def on_notice(worker: Any, content: Any) -> None:
         log.exception("rank %s: a wait notice could not be handled", worker.rank)
         return
     if err is not None:
-        from monarch_kernel.actor.host import _answer, _failure  # (that module imports this one)
+        actor_peers.answer(worker, t.mid, t.c, t.route, "error",
+                           actor_peers.failure_of(worker, err, False))
 
-        _answer(worker, t.mid, t.c, t.route, "error", _failure(worker, err, False))
+
+def _on_event(host: Any, msg: Any) -> None:
+    """A peer ``event`` message: a wait notice (an actor waits for a call) is
+    checked for wait cycles; other events are dropped."""
+    if isinstance(msg.content, dict) and msg.content.get("kind") == "wait":
+        on_notice(host.worker, msg.content)
+
+
+actor_peers.register_handler("event", _on_event)
 
 
 def _serving(inst: Any) -> tuple[str, str] | None:
@@ -182,7 +197,7 @@ def _serving(inst: Any) -> tuple[str, str] | None:
     item = inst.current
     if item is None or item[0] != "call":
         return None
-    return item[1], item[2].get("m", "?")
+    return item[1], item[2].get(METHOD, "?")
 
 
 def _cycle(inst: Any, t: _Tracked) -> list[Entry] | None:
@@ -324,17 +339,16 @@ def _resend(inst: Any) -> None:
 
 
 def _notify(w: _Wait, entries: tuple[Entry, ...]) -> None:
-    from monarch_kernel.actor import peers as actor_peers
-
-    host = actor_peers._host
+    host = actor_peers.current_host()
     if host is None:
         return
     try:  # (signed with the key of the callee's mesh, as the call was)
         codec = w.codec or host.codec_for(w.mesh)
     except MeshError:  # that mesh was stopped meanwhile: its calls fail anyway
         return
-    frames = codec.encode("event", {"kind": "wait", "a": w.actor, "i": w.mid,
-                                    "n": next(_seq), "r": entries})
+    notice: WaitNotice = {"kind": "wait", WAIT_ACTOR: w.actor, WAIT_CALL: w.mid,
+                          WAIT_SEQ: next(_seq), WAIT_ENTRIES: entries}
+    frames = codec.encode("event", notice)
     for _rank, addr in w.targets:
         if addr not in host.dead:
             host.send_to(addr, frames)
@@ -352,9 +366,7 @@ def call_guard(uid: str, name: str, ranks: list[int], req: Any,
     """
 
     def guard() -> Callable[[bool], None] | None:
-        from monarch_kernel.actor.host import context  # (that module imports this one)
-
-        inst = getattr(context, "actor", None)  # the waiting thread's actor
+        inst = current_actor()  # the waiting thread's actor
         if inst is None:
             return None
         if inst.uid == uid and inst.point.rank in ranks:

@@ -31,20 +31,26 @@ from __future__ import annotations
 import asyncio
 import linecache
 import logging
-import os
 import queue
 import threading
 import time
 from typing import Any
 
 from monarch_kernel.actor import cycles as actor_cycles
+from monarch_kernel.actor import mesh_keys
 from monarch_kernel.actor import peers as actor_peers
+from monarch_kernel.actor.context import context
+from monarch_kernel.actor.rref import keep_result
 from monarch_kernel.util import gpu
 from monarch_kernel.worker import telemetry
-from monarch_kernel.actor.peers import peer_host, stats  # noqa: F401 - stats: re-exported
-from monarch_kernel.errors import MeshFailure, SerializationError
+from monarch_kernel.actor.peers import answer, failure_of, peer_host, reject
+from monarch_kernel.actor.peers import stats
+from monarch_kernel.errors import SerializationError
 from monarch_kernel.mesh.shape import Point, Shape
-from monarch_kernel.wire.serialize import Packed, cuda_ipc, reply_content
+from monarch_kernel.wire.serialize import Packed, cuda_ipc
+from monarch_kernel.wire.messages import (ACTOR, IPC, KEEP, METHOD, ONEWAY, PAYLOAD, REFS,
+                                          SOURCES, WAITED, Call, RankDead, SpawnActor, SpawnReply,
+                                          SupervisionEvent)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -52,6 +58,7 @@ __all__ = [
     "Packed",
     "context",
     "dispatch_call",
+    "dispatch_rank_dead",
     "peer_host",
     "register_sources",
     "spawn_local",
@@ -59,38 +66,14 @@ __all__ = [
     "stop_local",
 ]
 
-#: per thread: ``.actor`` is the _ActorInstance whose thread this is
-context = threading.local()
-
-_ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
-
+# (``context``: per thread, ``.actor`` is the _ActorInstance whose thread this is)
+actor_peers.hide_frames_of(__file__)  # failures: the user's frames first
 
 def register_sources(sources: dict[str, list[str]] | None) -> None:
     """Make shipped source files known to :mod:`linecache` (remote tracebacks
     then show the lines of notebook cells and scripts)."""
     for name, lines in (sources or {}).items():
         linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-
-
-def _user_traceback(tb: Any) -> Any:
-    """Drop this module's and asyncio's frames from the top of a traceback."""
-    while tb is not None:
-        f = tb.tb_frame.f_code.co_filename
-        if f != __file__ and not f.startswith(_ASYNCIO_DIR):
-            break
-        tb = tb.tb_next
-    return tb
-
-
-def _failure(worker: Any, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
-    e.__traceback__ = _user_traceback(e.__traceback__)
-    f = worker.describe_failure(e, with_traceback)
-    exc = f.get("exc")
-    try:
-        f["exc"] = Packed.pack(exc) if exc is not None else None
-    except SerializationError:
-        f["exc"] = None
-    return f
 
 
 # ------------------------------------------------------------------ actors
@@ -141,6 +124,14 @@ class _ActorInstance:
             if wake is not None:
                 wake()
 
+    def deliver(self, mid: str, c: Call, route: list[bytes] | None) -> None:
+        """Queue call ``mid`` (content ``c``; ``route``: the calling peer's identity, None
+        for the controller); a call an actor made is tracked for wait cycles
+        (:mod:`monarch_kernel.actor.cycles`) while queued or running. Any thread."""
+        if WAITED in c:
+            actor_cycles.track(self, mid, c, route)
+        self.post(("call", mid, c, route))
+
     def _run(self) -> None:
         context.actor = self
         try:
@@ -169,7 +160,7 @@ class _ActorInstance:
                     self._construct(item[1], item[2])
                 elif item[0] == "supervise":
                     self._supervise(item[1])
-                elif "w" not in item[2]:
+                elif WAITED not in item[2]:
                     self._call(item[1], item[2], item[3])
                 elif actor_cycles.begin(self, item[1]):  # a call an actor made (tracked)
                     try:
@@ -207,7 +198,7 @@ class _ActorInstance:
                 return False
         nxt = self._ahead
         return (nxt is not None and nxt[0] == "call" and nxt[3] is None
-                and not nxt[2].get("o") and self._fast.get(nxt[2].get("m"), False))
+                and not nxt[2].get(ONEWAY) and self._fast.get(nxt[2].get(METHOD), False))
 
     def _flush(self) -> None:
         """Send the held replies (one message for several)."""
@@ -254,9 +245,9 @@ class _ActorInstance:
                 note = f"; __supervise__ raised {type(e).__name__}: {e}"
         if not handled:
             try:
-                self.worker.send("event", {
-                    "kind": "supervision", "actor": self.name, "rank": self.worker.rank,
-                    "failure": f"{failure}{note}"})
+                self.worker.send("event", SupervisionEvent(
+                    kind="supervision", actor=self.name, rank=self.worker.rank,
+                    failure=f"{failure}{note}"))
             except Exception:  # noqa: BLE001 - the connection is going away
                 log.warning("could not report an unhandled failure: %s", failure)
 
@@ -266,22 +257,22 @@ class _ActorInstance:
             self.obj = cls(*args, **kwargs)
             done.append(None)
         except BaseException as e:  # noqa: BLE001 - reported to the controller
-            done.append(_failure(self.worker, e))
+            done.append(failure_of(self.worker, e))
         done[0].set()
 
-    def _call(self, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
+    def _call(self, mid: str, c: Call, route: list[bytes] | None) -> None:
         w = self.worker
-        method = c["m"]
-        oneway = c.get("o", False)
+        method = c[METHOD]
+        oneway = c.get(ONEWAY, False)
         prev = w.current_parent
         attribute = route is None and not oneway
         if attribute:  # output written during the call goes to the caller's request
             w.current_parent = mid
         telemetry.set_activity(f"running endpoint {self.name}.{method}")
         try:
-            if "s" in c:
-                register_sources(c["s"])
-            args, kwargs = c["p"].unpack()
+            if SOURCES in c:
+                register_sources(c[SOURCES])
+            args, kwargs = c[PAYLOAD].unpack()
             fn = getattr(self.obj, method, None)
             if fn is None or not getattr(fn, "__monarch_endpoint__", False):
                 raise AttributeError(
@@ -294,23 +285,21 @@ class _ActorInstance:
             finally:
                 w.leave_if_forked()  # (a child the endpoint forked and that came back)
             self._fast[method] = time.perf_counter() - t0 < FAST_S
-            if "k" in c:  # .rref(): the value stays here; only its description goes back
-                from monarch_kernel.tensors.store import keep
-
-                value = keep(c["k"], value)
+            if KEEP in c:  # .rref(): the value stays here; only its description goes back
+                value = keep_result(c[KEEP], value)
             try:  # to the controller on this host: big CUDA tensors go by IPC handle
-                with cuda_ipc(not c.get("o") and (c.get("i") if route is not None
+                with cuda_ipc(not c.get(ONEWAY) and (c.get(IPC) if route is not None
                                                   else w.controller_pid is not None)):
                     status, out = "ok", Packed.pack(value)
             except SerializationError as e:
-                status, out = "error", _failure(w, e, with_traceback=False)
+                status, out = "error", failure_of(w, e, with_traceback=False)
                 out["message"] = (  # (the rank is named where the error is shown)
                     f"{type(self.obj).__qualname__}.{method} returned a "
                     f"{type(value).__qualname__}, which cannot be sent back "
                     f"({e.__cause__ or e}); return something picklable"
                 )
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-            status, out = "error", _failure(w, e)
+            status, out = "error", failure_of(w, e)
         telemetry.set_activity(None)
         try:
             if (status == "ok" and route is None and not oneway and not out.buffers
@@ -321,51 +310,10 @@ class _ActorInstance:
                     self._held.append((mid, out))
             else:
                 self._flush()
-                _answer(w, mid, c, route, status, out)
+                answer(w, mid, c, route, status, out)
         finally:
             if attribute and w.current_parent in (mid, None):
                 w.current_parent = prev
-
-
-def _answer(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None, status: str,
-            value: Any) -> None:
-    """Send the result of call ``mid`` where it must go."""
-    if c.get("o"):  # broadcast: nobody waits; a failure is still reported
-        if status == "error":
-            if w.capture is not None:
-                w.capture.drain()
-            w.send("event", {"kind": "actor_error", "actor": c["a"], "method": c["m"],
-                             "uid": c.get("u"), "rank": w.rank, "failure": value})
-        return
-    if route is None:
-        w.reply(mid, status, value)
-    else:
-        host = peer_host(w)
-        try:
-            frames = host.codec.encode("reply", reply_content(status, value), parent=mid)
-        except SerializationError as e:  # (too large, say): the caller gets why, not a hang
-            frames = host.codec.encode("reply", {"status": "error", "value": {
-                "type": "monarch_kernel.errors.SerializationError", "traceback": "",
-                "message": f"rank {w.rank}: the result of {c.get('m')!r} cannot be sent "
-                           f"back: {e}", "exc": None}}, parent=mid)
-        host.reply_to(route, frames)
-
-
-def _missing(w: Any, name: str) -> MeshFailure:
-    host = actor_peers._host
-    cause = host.stopped.get(name) if host is not None else None
-    if cause:
-        return MeshFailure(f"actor {name!r} on rank {w.rank} {cause}", rank=w.rank)
-    return MeshFailure(f"rank {w.rank} has no actor named {name!r}: it was not spawned there, "
-                       "or the rank was restarted since (a fresh process: spawn the actor "
-                       "mesh again)", rank=w.rank)
-
-
-def _reject(w: Any, mid: str, c: dict[str, Any], route: list[bytes] | None) -> None:
-    e = _missing(w, c["a"])
-    failure = {"type": "monarch_kernel.errors.MeshFailure", "message": str(e),
-               "traceback": "", "exc": Packed.pack(e), "rejected": True}
-    _answer(w, mid, c, route, "error", failure)
 
 
 def dispatch_call(worker: Any, msg: Any) -> None:
@@ -373,27 +321,29 @@ def dispatch_call(worker: Any, msg: Any) -> None:
 
     Never blocks: the actor's thread runs the call and replies.
     """
-    c = msg.content
-    if "sys" in c:
-        host = actor_peers._host
-        if c["sys"] == "dead":
-            if host is not None:
-                host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
-            from monarch_kernel import mesh_keys  # meshes this worker spawned wait on it too, maybe
-
-            mesh_keys.pass_down({**c, "mesh": c.get("mesh") or worker.codec.fingerprint})
-        return
-    inst = worker.actors.get(c["a"])
+    c: Call = msg.content
+    inst = worker.actors.get(c[ACTOR])
     if inst is None:
-        _reject(worker, msg.id, c, None)
+        reject(worker, msg.id, c, None)
         return
-    if "r" in c:  # a one-way call with handles: take their values now (see _Unpacked)
-        if "s" in c:
-            register_sources(c["s"])
-        c["p"] = _Unpacked(c["p"])
-    if "w" in c:  # an actor of the worker that spawned this mesh waits: tracked (actor_cycles)
-        actor_cycles.track(inst, msg.id, c, None)
-    inst.post(("call", msg.id, c, None))
+    if REFS in c:  # a one-way call with handles: take their values now (see _Unpacked)
+        if SOURCES in c:
+            register_sources(c[SOURCES])
+        c[PAYLOAD] = _Unpacked(c[PAYLOAD])
+    inst.deliver(msg.id, c, None)
+
+
+def dispatch_rank_dead(worker: Any, msg: Any) -> None:
+    """A ``rank_dead`` notice (worker I/O thread): a rank of this worker's mesh, or of
+    another mesh of the program, died. Calls this worker's actors wait on it fail at
+    once, and the meshes this worker spawned itself hear of it too."""
+    c: RankDead = msg.content
+    host = actor_peers.current_host()
+    if host is not None:
+        host.fail_rank(c["rank"], c.get("addr"), c["reason"], c.get("mesh"))
+    # meshes this worker spawned wait on it too, maybe
+    mesh_keys.pass_down_death(RankDead(rank=c["rank"], addr=c.get("addr"), reason=c["reason"],
+                                       mesh=c.get("mesh") or worker.codec.fingerprint))
 
 
 class _Call:
@@ -401,7 +351,7 @@ class _Call:
 
     __slots__ = ("content", "id")
 
-    def __init__(self, id: str, content: dict[str, Any]) -> None:
+    def __init__(self, id: str, content: Call) -> None:
         self.id, self.content = id, content
 
 
@@ -414,7 +364,7 @@ def dispatch_calls(worker: Any, msg: Any) -> None:
     """
     try:
         calls = [_Call(str(mid), c) for mid, c in msg.content]
-        if not all(isinstance(call.content, dict) and "a" in call.content for call in calls):
+        if not all(isinstance(call.content, dict) and ACTOR in call.content for call in calls):
             raise ValueError("a call without an actor name")
     except (TypeError, ValueError) as e:
         log.warning("rank %d dropped a malformed batch of calls: %s", worker.rank, e)
@@ -449,7 +399,7 @@ class _Unpacked:
         return self.value
 
 
-def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
+def spawn_local(worker: Any, content: SpawnActor) -> SpawnReply:
     """Construct one actor on this worker (worker main thread).
 
     Returns
@@ -480,10 +430,10 @@ def spawn_local(worker: Any, content: dict[str, Any]) -> dict[str, Any]:
     done[0].wait()
     if done[1] is not None:
         inst.post(None)
-        return {"peer": host.address, "failure": done[1]}
+        return SpawnReply(peer=host.address, failure=done[1])
     worker.actors[name] = inst
     host.stopped.pop(name, None)
-    return {"peer": host.address}
+    return SpawnReply(peer=host.address)
 
 
 def stop_local(worker: Any, name: str, timeout: float = 10.0) -> None:

@@ -2,7 +2,7 @@
 call each other worker to worker (PyTorch Monarch's generators on one process
 mesh calling trainers on another).
 
-Each mesh signs its messages with a random key of its own (issue 9), and a
+Each mesh signs its messages with a random key of its own, and a
 worker can sign a call for another mesh's actor only with that mesh's key.
 The meshes that one process controls (a kernel's, a script's) are introduced
 to each other here, in signed ``keys`` control messages:
@@ -14,12 +14,12 @@ to each other here, in signed ``keys`` control messages:
   told to drop it when it stops (their calls waiting on it then fail; a
   worker ignores a key that arrives after its drop);
 * a rank of one mesh that dies fails the calls that other meshes' workers
-  wait on it, as its own mesh's do (``PeerHost.fail_rank`` with the mesh's
-  fingerprint);
+  wait on it, as its own mesh's do (a ``rank_dead`` notice with the mesh's
+  fingerprint: ``PeerHost.fail_rank``);
 * in a worker that spawns meshes of its own (an actor's), its own mesh's key
   and key ring are handed down, and what the worker later learns (keys,
-  drops, deaths) is passed down to them (:func:`pass_down`), so that the
-  child mesh's actors can call up.
+  drops, deaths) is passed down to them (:func:`pass_down`,
+  :func:`pass_down_death`), so that the child mesh's actors can call up.
 
 Keys travel only in signed control messages, and only to meshes whose
 control channel is encrypted (CurveZMQ) or loopback: a mesh spawned beyond
@@ -38,12 +38,30 @@ import threading
 import weakref
 from typing import Any
 
+from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.transport.sockets import is_loopback
+from monarch_kernel.wire.messages import Keys, RankDead
+
 log = logging.getLogger("monarch_kernel.actor.mesh_keys")
 
-__all__ = ["check_known", "introduce", "pass_down", "register", "ring_for", "unregister"]
+__all__ = ["check_known", "introduce", "note_peers", "pass_down", "pass_down_death", "peer_address",
+           "register", "ring_for", "unregister"]
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's live controllers
 _lock = threading.Lock()
+#: per controller: the peer address of each rank's worker (from actor spawns)
+_peer_addrs: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def note_peers(ctl: Any, peers: dict[int, str]) -> None:
+    """Remember the peer addresses of ranks of ``ctl``'s mesh (an actor spawn's replies)."""
+    _peer_addrs.setdefault(ctl, {}).update(peers)
+
+
+def peer_address(ctl: Any, rank: int) -> str | None:
+    """The peer address of rank ``rank`` of ``ctl``'s mesh (None before an actor
+    was spawned there)."""
+    return _peer_addrs.get(ctl, {}).get(rank)
 
 
 def _current_worker() -> Any:
@@ -65,8 +83,6 @@ def check_known(w: Any, mesh: str | None, what: str) -> None:
     """
     if mesh is None or mesh == w.codec.fingerprint or mesh in getattr(w, "keyring", {}):
         return
-    from monarch_kernel.errors import MeshError, MeshFailure
-
     if mesh in getattr(w, "dropped_keys", ()):
         raise MeshFailure(f"{what} is on a process mesh of this program that was stopped "
                           "(spawn a new one: spawn_procs(...))")
@@ -87,8 +103,6 @@ def _others(ctl: Any) -> list[Any]:
 
 def _secure(ctl: Any) -> bool:
     """Whether keys may travel on ``ctl``'s control channel: encrypted, or loopback."""
-    from monarch_kernel.transport.sockets import is_loopback
-
     if getattr(ctl, "curve_public_key", None) is not None:
         return True
     host = ctl.address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
@@ -132,7 +146,7 @@ def register(ctl: Any) -> None:
     if _secure(ctl):
         for other in others:
             if _secure(other):  # (never over another mesh's unencrypted network link)
-                _tell(other, {"add": {ctl.codec.fingerprint: ctl.key}})
+                _tell(other, Keys(add={ctl.codec.fingerprint: ctl.key}))
 
 
 def introduce(ctl: Any, ranks: list[int]) -> None:
@@ -144,20 +158,24 @@ def introduce(ctl: Any, ranks: list[int]) -> None:
     live = [r for r in ranks if r in _live_ranks(ctl)]
     if ring and live:
         try:
-            ctl.notify(live, "keys", {"add": ring})
+            ctl.notify(live, "keys", Keys(add=ring))
         except Exception as e:  # noqa: BLE001 - the mesh is closing
             log.debug("cannot introduce ranks %s: %s", live, e)
 
 
-def pass_down(content: dict[str, Any]) -> None:
-    """In a worker: what it learned from its controller (``keys`` added or
-    dropped, or a death in another mesh, ``content`` of a ``call`` with
-    ``sys``) goes on to the meshes this worker spawned itself."""
+def pass_down(content: Keys) -> None:
+    """In a worker: the ``keys`` it got from its controller (added or dropped) go on
+    to the meshes this worker spawned itself (those whose channel is secure)."""
     for c in _others(None):
-        if "sys" in content:
-            _tell(c, content, "call")
-        elif _secure(c):
+        if _secure(c):
             _tell(c, content)
+
+
+def pass_down_death(content: RankDead) -> None:
+    """In a worker: a ``rank_dead`` notice it got from its controller (``mesh``: the
+    dead rank's mesh) goes on to the meshes this worker spawned itself."""
+    for c in _others(None):
+        _tell(c, content, "rank_dead")
 
 
 def unregister(ctl: Any) -> None:
@@ -171,7 +189,7 @@ def unregister(ctl: Any) -> None:
             _tell(other, {"drop": [ctl.codec.fingerprint]})
 
 
-def _tell(ctl: Any, content: dict[str, Any], type: str = "keys") -> None:
+def _tell(ctl: Any, content: Keys | RankDead, type: str = "keys") -> None:
     """A one-way ``type`` message to the live ranks of ``ctl``'s mesh."""
     ranks = _live_ranks(ctl)
     if ranks:
@@ -182,12 +200,9 @@ def _tell(ctl: Any, content: dict[str, Any], type: str = "keys") -> None:
 
 
 def _pass_on_death(ctl: Any, rank: int, failure: Any) -> None:
-    from monarch_kernel.actor.spawn import peer_address
-
     addr = peer_address(ctl, rank)
     if addr is None:  # (no actor ever ran there: no other mesh can be waiting on it)
         return
-    content = {"sys": "dead", "rank": rank, "addr": addr, "reason": str(failure),
-               "mesh": ctl.codec.fingerprint}
+    content = RankDead(rank=rank, addr=addr, reason=str(failure), mesh=ctl.codec.fingerprint)
     for other in _others(ctl):
-        _tell(other, content, "call")
+        _tell(other, content, "rank_dead")

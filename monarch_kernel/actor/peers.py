@@ -31,30 +31,55 @@ in neither an endpoint nor the Z85 alphabet of a key).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from monarch_kernel.actor import cycles as actor_cycles
+from monarch_kernel.actor.mesh_keys import check_known
 from monarch_kernel.transport import peer_lanes
 from monarch_kernel.transport import lane as _lane
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.controller.controller import Request
-from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
+from monarch_kernel.errors import MeshFailure, ProtocolError, SerializationError, TransportError
 from monarch_kernel.actor.peer_io import PeerIO
 from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
+from monarch_kernel.wire.serialize import Packed, reply_content
+from monarch_kernel.wire.messages import (ACTOR, METHOD, ONEWAY, UID, ActorErrorEvent, Buffer,
+                                          Call, Failure, Reply)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
 _host: PeerHost | None = None
 _host_lock = threading.Lock()
 _hosts: weakref.WeakSet[PeerHost] = weakref.WeakSet()  # (for the fork hook)
+
+#: what handles a peer message of a type other than ``call`` and ``reply``, by type
+#: (filled by the features that send them: :func:`register_handler`)
+_handlers: dict[str, Callable[[PeerHost, Any], None]] = {}
+
+
+def register_handler(msg_type: str, handler: Callable[[PeerHost, Any], None]) -> None:
+    """Have ``handler(host, msg)`` handle the peer messages of type ``msg_type``.
+
+    Called by the modules that send such messages, when they are imported
+    (``buffer``: :mod:`monarch_kernel.tensors.buffer_ops`; ``event``:
+    :mod:`monarch_kernel.actor.cycles`). It runs on the thread that read the
+    message and must not block. Messages of a type nobody registered are dropped.
+    """
+    _handlers[msg_type] = handler
+
+
+def current_host() -> PeerHost | None:
+    """This worker's :class:`PeerHost`, if it was started (never starts one)."""
+    return _host
 
 
 def peer_host(worker: Any) -> PeerHost:
@@ -157,7 +182,7 @@ class PeerHost:
         self.io.start()
         _hosts.add(self)
 
-    def request(self, ranks: list[int], peers: dict[int, str], content: dict[str, Any],
+    def request(self, ranks: list[int], peers: dict[int, str], content: Call | Buffer,
                 oneway: bool, type: str = "call", mesh: str | None = None) -> Request | None:
         """Send a call (or a message of another ``type``: ``buffer``, see
         :mod:`monarch_kernel.tensors.buffer_ops`) to ``ranks`` (any thread of this worker),
@@ -183,8 +208,8 @@ class PeerHost:
         names: list[str] = []
         # same host (the peers bind the same address as this worker): large buffers go
         # through shared memory (monarch_kernel.wire.shm), given back once every peer answered
-        here = _addr_host(self.address)
-        local = not oneway and all(_addr_host(peers[r]) == here for r in ranks)
+        here = address_host(self.address)
+        local = not oneway and all(address_host(peers[r]) == here for r in ranks)
         frames = codec.encode(type, content, id=mid, shm="sender" if local else None,
                               shm_out=names)
         req = None
@@ -220,8 +245,6 @@ class PeerHost:
             return self.codec
         codec = self._codecs.get(mesh)
         if codec is None:
-            from monarch_kernel.actor.mesh_keys import check_known
-
             check_known(self.worker, mesh, "the callee")
             key = self.worker.keyring[mesh]
             with self._lanes_lock:
@@ -286,7 +309,7 @@ class PeerHost:
         name = address.partition(";")[2]
         lane = None
         if (name and self.listener is not None
-                and _addr_host(address) == _addr_host(self.address)):
+                and address_host(address) == address_host(self.address)):
             lane = peer_lanes.dial(name, f"peer lane to {address}", self.lane_limit())
         with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
             kept = self._lane_to.get(address, False)
@@ -340,26 +363,17 @@ class PeerHost:
             log.warning("rank %d dropped a peer message: %s", self.rank, e)
             return
         self.messages_in += 1
-        if msg.type == "buffer":  # an RDMABuffer read or write: answered right here
-            from monarch_kernel.tensors.buffer_ops import serve
-
-            serve(self, msg)
+        if msg.type != "call":  # an RDMABuffer operation, a wait notice, ...
+            handler = _handlers.get(msg.type)
+            if handler is not None:
+                handler(self, msg)
             return
-        if msg.type != "call":
-            if msg.type == "event" and isinstance(msg.content, dict) and (
-                    msg.content.get("kind") == "wait"):  # an actor waits for a call: cycles?
-                actor_cycles.on_notice(self.worker, msg.content)
-            return
-        c = msg.content
-        inst = self.worker.actors.get(c["a"])
+        c: Call = msg.content
+        inst = self.worker.actors.get(c[ACTOR])
         if inst is None:
-            from monarch_kernel.actor.host import _reject  # (that module imports this one)
-
-            _reject(self.worker, msg.id, c, msg.identity)
+            reject(self.worker, msg.id, c, msg.identity)
         else:
-            if "w" in c:  # made by an actor: tracked while queued or running (actor_cycles)
-                actor_cycles.track(inst, msg.id, c, msg.identity)
-            inst.post(("call", msg.id, c, msg.identity))
+            inst.deliver(msg.id, c, msg.identity)
 
     def reply(self, frames: list[Any], codec: Any = None) -> None:
         """Handle a reply from a peer (checked with ``codec``, or this host's)."""
@@ -376,7 +390,7 @@ class PeerHost:
             req = self.pending.get(msg.parent or "")
             if req is None or not req._reply_pending(rank):
                 return
-            c = msg.content
+            c: Reply = msg.content
             req.replies[rank] = (c["status"], c["value"])
             finished = len(req.replies) >= len(req.ranks)
             if finished:
@@ -399,6 +413,88 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _addr_host(address: str) -> str:
+def answer(w: Any, mid: str, c: Call, route: list[bytes] | None, status: str,
+           value: Any) -> None:
+    """Send the result of call ``mid`` (content ``c``) of worker ``w`` where it must go:
+    nowhere for a one-way call (but a failure is reported to the controller as an
+    ``actor_error`` event), to the controller (``route`` None) or back to the peer
+    that made it (``route``: its ROUTER identity). ``status``: ``"ok"`` or ``"error"``;
+    ``value``: a :class:`~monarch_kernel.wire.serialize.Packed` or a failure dict."""
+    if c.get(ONEWAY):  # broadcast: nobody waits; a failure is still reported
+        if status == "error":
+            if w.capture is not None:
+                w.capture.drain()
+            w.send("event", ActorErrorEvent(kind="actor_error", actor=c[ACTOR], method=c[METHOD],
+                                            uid=c.get(UID), rank=w.rank, failure=value))
+        return
+    if route is None:
+        w.reply(mid, status, value)
+    else:
+        host = peer_host(w)
+        try:
+            frames = host.codec.encode("reply", reply_content(status, value), parent=mid)
+        except SerializationError as e:  # (too large, say): the caller gets why, not a hang
+            frames = host.codec.encode("reply", Reply(status="error", value=Failure(
+                type="monarch_kernel.errors.SerializationError", traceback="",
+                message=f"rank {w.rank}: the result of {c.get(METHOD)!r} cannot be sent "
+                        f"back: {e}", exc=None)), parent=mid)
+        host.reply_to(route, frames)
+
+
+def failure_of(worker: Any, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
+    """The failure dict an error reply carries for ``e`` (``Worker.describe_failure``,
+    with the exception itself packed when it pickles); ``e``'s traceback loses its
+    frames of the actor host and of asyncio."""
+    e.__traceback__ = _user_traceback(e.__traceback__)
+    f = worker.describe_failure(e, with_traceback)
+    exc = f.get("exc")
+    try:
+        f["exc"] = Packed.pack(exc) if exc is not None else None
+    except SerializationError:
+        f["exc"] = None
+    return f
+
+
+#: frames of these files are dropped from the top of a failure's traceback
+_INNER_FILES: set[str] = {__file__}
+_ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+
+
+def hide_frames_of(filename: str) -> None:
+    """Drop the frames of ``filename`` from the top of the tracebacks of failures
+    (the actor host's, where endpoints are called)."""
+    _INNER_FILES.add(filename)
+
+
+def _user_traceback(tb: Any) -> Any:
+    """Drop the actor host's and asyncio's frames from the top of a traceback."""
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if f not in _INNER_FILES and not f.startswith(_ASYNCIO_DIR):
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def missing_actor(w: Any, name: str) -> MeshFailure:
+    """The error of a call to actor ``name``, which worker ``w`` does not run."""
+    host = _host
+    cause = host.stopped.get(name) if host is not None else None
+    if cause:
+        return MeshFailure(f"actor {name!r} on rank {w.rank} {cause}", rank=w.rank)
+    return MeshFailure(f"rank {w.rank} has no actor named {name!r}: it was not spawned there, "
+                       "or the rank was restarted since (a fresh process: spawn the actor "
+                       "mesh again)", rank=w.rank)
+
+
+def reject(w: Any, mid: str, c: Call, route: list[bytes] | None) -> None:
+    """Answer call ``mid`` to an actor that worker ``w`` does not run (see :func:`answer`)."""
+    e = missing_actor(w, c[ACTOR])
+    failure = Failure(type="monarch_kernel.errors.MeshFailure", message=str(e),
+                      traceback="", exc=Packed.pack(e), rejected=True)
+    answer(w, mid, c, route, "error", failure)
+
+
+def address_host(address: str) -> str:
     """``tcp://10.0.0.2:5555|KEY;NAME`` -> ``10.0.0.2``."""
     return address.split(";", 1)[0].split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]

@@ -22,13 +22,27 @@ from __future__ import annotations
 
 import queue
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.actor.host import Packed
 from monarch_kernel.controller.controller import Request
+from monarch_kernel.controller.output import RankPrinter, write_stream
 from monarch_kernel.errors import ActorError, MeshFailure, RemoteFailure, group_failures, remote_exception
+from monarch_kernel.wire.serialize import Packed
 
-__all__ = ["CallOutput", "raise_failures", "show_display"]
+__all__ = ["CallOutput", "raise_failures", "set_debug_handler", "show_display"]
+
+#: who serves a rank that paused in pdb during a call: ``handler(request, event,
+#: printer)``; set by the kernel's debugger bridge
+#: (:mod:`monarch_kernel.kernel.debug_bridge`) when it is imported
+_debug_handler: Callable[[Request, tuple, Any], None] | None = None
+
+
+def set_debug_handler(handler: Callable[[Request, tuple, Any], None]) -> None:
+    """Have ``handler(request, event, printer)`` serve the ``debug`` events of calls
+    (a rank paused in pdb); without one they are dropped."""
+    global _debug_handler
+    _debug_handler = handler
 
 
 def raise_failures(req: Request, actor: str) -> None:
@@ -67,8 +81,6 @@ class CallOutput:
         q = self.req.events
         if self.printer is None and (q.empty() or (final and q.qsize() == 1 and self.req.done())):
             return  # nothing printed (at the end, only the "done" mark is left)
-        from monarch_kernel.controller.output import RankPrinter, write_stream
-
         if self.printer is None:
             self.printer = RankPrinter(write_stream)
         while True:
@@ -80,10 +92,8 @@ class CallOutput:
                 self.printer.feed(ev[1], ev[2], ev[3])
             elif ev[0] == "display":
                 show_display(ev[1], ev[2])
-            elif ev[0] == "debug":  # the endpoint paused in pdb: the kernel's console serves it
-                bridge = sys.modules.get("monarch_kernel.kernel.debug_bridge")
-                if bridge is not None:
-                    bridge.call_debug_event(self.req, ev, self.printer)
+            elif ev[0] == "debug" and _debug_handler is not None:
+                _debug_handler(self.req, ev, self.printer)  # paused in pdb: the kernel's console
         if final:
             self.printer.close()
         else:

@@ -10,26 +10,31 @@ make to it fail at once instead of waiting.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sys
 import weakref
 from typing import Any
 
-from monarch_kernel.actor.actor_mesh import (
-    Actor,
-    ActorMesh,
-    _broadcast_failures,
-    _Output,
-    _record,
-    _records,
-    log,
+from monarch_kernel.actor.actor_mesh import Actor, ActorMesh, actor_record, note_broadcast_failure
+from monarch_kernel.actor.mesh_keys import note_peers, peer_address
+from monarch_kernel.actor.replies import CallOutput
+from monarch_kernel.errors import (
+    ActorError,
+    RemoteFailure,
+    group_failures,
+    raise_request_failures,
+    remote_exception,
 )
-from monarch_kernel.actor.host import Packed
-from monarch_kernel.errors import ActorError, RemoteFailure, group_failures, remote_exception
 from monarch_kernel.actor.future import Future
+from monarch_kernel.wire.serialize import Packed
 from monarch_kernel.wire.sources import sources_for
+from monarch_kernel.wire.messages import (ActorErrorEvent, Failure, RankDead, SpawnActor,
+                                          StopActor)
 
 __all__ = ["spawn_actor_mesh"]
+
+log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
 
 def _endpoint_names(cls: type) -> tuple[str, ...]:
@@ -79,34 +84,32 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     _listen(ctl)
     uid = secrets.token_hex(8)
     shape = procmesh.shape
-    content = {"name": name, "uid": uid, "dims": shape.dims, "ranks": shape.ranks,
-               "init": Packed.pack((cls, args, kwargs)), "sources": sources_for([cls])}
+    content = SpawnActor(name=name, uid=uid, dims=shape.dims, ranks=shape.ranks,
+                         init=Packed.pack((cls, args, kwargs)), sources=sources_for([cls]))
     req = ctl.request(shape.ranks, "spawn_actor", content)
-    fut: Future[None] = Future(pump=_Output(req))
+    fut: Future[None] = Future(pump=CallOutput(req))
     req.add_done_callback(lambda q: fut.set_result(None))
     fut.get(timeout)
-    from monarch_kernel.mesh.procmesh import raise_failures
-
-    raise_failures(req, actor=name)
+    raise_request_failures(req, actor=name)
     failed = [RemoteFailure(r, _unpack_exc(v["failure"]), v["failure"]["type"],
                             v["failure"]["message"], v["failure"]["traceback"], name)
               for r, (_, v) in sorted(req.replies.items()) if "failure" in v]
     if failed:
         built = [r for r, (_, v) in req.replies.items() if "failure" not in v]
         if built:
-            ctl.request(built, "stop_actor", {"name": name}).wait(10)
+            ctl.request(built, "stop_actor", StopActor(name=name)).wait(10)
         groups = group_failures(failed)
         err = remote_exception(groups[0], ActorError)
         if len(groups) > 1:
             err.others = [remote_exception(g, ActorError) for g in groups[1:]]
         raise err
-    rec = _record(uid, name, procmesh.root)
+    rec = actor_record(uid, name, procmesh.root)
     peers = {r: v["peer"] for r, (_, v) in req.replies.items()}
-    _peer_addrs.setdefault(ctl, {}).update(peers)
+    note_peers(ctl, peers)
     return ActorMesh(rec, shape, peers, endpoints, cls.__qualname__)
 
 
-def _unpack_exc(failure: dict[str, Any]) -> BaseException | None:
+def _unpack_exc(failure: Failure) -> BaseException | None:
     exc = failure.get("exc")
     if isinstance(exc, Packed):
         try:
@@ -118,14 +121,6 @@ def _unpack_exc(failure: dict[str, Any]) -> BaseException | None:
 
 # -------------------------------------------------- controller listeners
 _listening: weakref.WeakSet[Any] = weakref.WeakSet()
-#: per controller: the peer address of each rank's worker (from actor spawns)
-_peer_addrs: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
-
-
-def peer_address(ctl: Any, rank: int) -> str | None:
-    """The peer address of rank ``rank`` of ``ctl``'s mesh (None before an actor
-    was spawned there)."""
-    return _peer_addrs.get(ctl, {}).get(rank)
 
 
 def _listen(ctl: Any) -> None:
@@ -143,25 +138,22 @@ def _listen(ctl: Any) -> None:
             _on_broadcast_failure(rank, payload)
         elif kind == "dead":
             live = [r for r, i in c.ranks.items() if i.state not in ("dead", "stopped")]
-            addr = _peer_addrs.get(c, {}).get(rank)
+            addr = peer_address(c, rank)
             try:
-                c.notify(live, "call", {"sys": "dead", "rank": rank, "addr": addr,
-                                        "reason": str(payload)})
+                c.notify(live, "rank_dead", RankDead(rank=rank, addr=addr, reason=str(payload)))
             except Exception as e:  # noqa: BLE001 - the mesh is closing
                 log.debug("cannot tell the workers that rank %d died: %s", rank, e)
 
     ctl.listeners.append(listener)
 
 
-def _on_broadcast_failure(rank: int, p: dict[str, Any]) -> None:
+def _on_broadcast_failure(rank: int, event: Any) -> None:
+    p: ActorErrorEvent = event
     f = p["failure"]
     err = remote_exception(
         [RemoteFailure(rank, _unpack_exc(f), f["type"], f["message"], f["traceback"],
                        p["actor"])], ActorError)
-    _broadcast_failures.append(err)
-    rec = _records.get(p.get("uid") or "")
-    if rec is not None:
-        rec.failures.append(err)
+    note_broadcast_failure(p.get("uid") or "", err)
     text = (f"broadcast {p['actor']}.{p['method']} failed on rank {rank}: "
             f"{f['type']}: {f['message']}")
     log.debug("%s", text)

@@ -31,6 +31,7 @@ from monarch_kernel.controller.request import RankInfo, Request
 from monarch_kernel.errors import MeshFailure, TransportError
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
+from monarch_kernel.wire.messages import KEEP, ONEWAY, PAYLOAD
 
 __all__ = ["HOLD_S", "MAX_CALLS", "MIN_PENDING", "BatchHost", "Batcher", "Batches", "may_hold"]
 
@@ -99,9 +100,9 @@ def may_hold(type: str, ranks: list[int], content: Any, pending: int) -> bool:
     """Whether a request may wait in a batch (see the module docstring)."""
     if type != "call" or len(ranks) != 1 or pending < MIN_PENDING:
         return False
-    if not isinstance(content, dict) or "o" in content or "k" in content:
+    if not isinstance(content, dict) or ONEWAY in content or KEEP in content:
         return False
-    p = content.get("p")
+    p = content.get(PAYLOAD)
     return p is not None and not p.buffers and len(p.payload) <= MAX_PAYLOAD
 
 

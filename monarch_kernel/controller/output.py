@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from monarch_kernel.errors import _compact
+from monarch_kernel.errors import compact_ranks
 
 __all__ = ["BackgroundOutput", "RankPrinter", "write_stream"]
 
@@ -160,7 +160,7 @@ class RankPrinter:
         held, self._held = self._held, []
         by_name: dict[str, list[str]] = {}
         for name, line, ranks in held:
-            tag = str(ranks[0]) if len(ranks) == 1 else _compact(ranks)
+            tag = str(ranks[0]) if len(ranks) == 1 else compact_ranks(ranks)
             by_name.setdefault(name, []).append(f"[{tag}] {line}\n")
         for name, lines in by_name.items():
             self._write(name, "".join(lines))

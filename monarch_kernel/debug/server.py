@@ -55,7 +55,9 @@ import threading
 import types
 from typing import Any
 
+from monarch_kernel.actor.context import current_actor
 from monarch_kernel.util.sigint import DeferredSigint
+from monarch_kernel.worker import telemetry
 
 __all__ = [
     "RemotePdb",
@@ -150,8 +152,7 @@ class RemotePdb(pdb.Pdb):
             return p
         if self.thread_id == self.worker.main_thread_id:
             return self.worker.current_parent
-        host = sys.modules.get("monarch_kernel.actor.host")
-        if host is not None and getattr(host.context, "actor", None) is not None:
+        if current_actor() is not None:
             return self.worker.current_parent  # an actor's thread: the call it serves
         return None
 
@@ -348,8 +349,6 @@ class RemotePdb(pdb.Pdb):
 def _activity(text: str) -> Any:
     """telemetry's ``activity`` block (the dashboard shows the rank as paused)."""
     try:
-        from monarch_kernel.worker import telemetry
-
         return telemetry.activity(text)
     except Exception:  # noqa: BLE001 - telemetry is optional here
         return contextlib.nullcontext()

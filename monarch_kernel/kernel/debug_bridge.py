@@ -19,11 +19,14 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from monarch_kernel.actor.replies import set_debug_handler, show_display
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.debug.console import DebugConsole, report_quits
 from monarch_kernel.debug.registry import registry_for
+from monarch_kernel.kernel.commands import command
 from monarch_kernel.controller.output import RankPrinter
-from monarch_kernel.mesh.procmesh import ProcMesh, raise_failures
+from monarch_kernel.errors import raise_request_failures
+from monarch_kernel.mesh.procmesh import ProcMesh, live_meshes
 
 __all__ = ["POST_MORTEM_CODE", "call_debug_event", "cell_console", "debug_command",
            "stdin_bridge"]
@@ -57,7 +60,7 @@ def cell_console(magics: Any, m: ProcMesh, req: Request, printer: RankPrinter) -
     input_fn, allow = stdin_bridge(magics.kernel)
     return DebugConsole(
         registry_for(m.controller), m, input_fn, _out, allow_stdin=allow, req=req,
-        on_event=lambda ev: magics._event(ev, printer), flush=printer.flush_lines, warn=_err,
+        on_event=lambda ev: magics.show_event(ev, printer), flush=printer.flush_lines, warn=_err,
     )
 
 
@@ -65,9 +68,7 @@ _call_consoles: weakref.WeakKeyDictionary[Request, DebugConsole] = weakref.WeakK
 
 
 def _mesh_of(req: Request) -> ProcMesh | None:
-    from monarch_kernel.mesh import procmesh
-
-    for m in list(procmesh._live):
+    for m in live_meshes():
         if req.id in m.controller.pending:
             return m
     return None
@@ -85,13 +86,11 @@ def call_debug_event(req: Request, ev: tuple, printer: RankPrinter | None) -> No
         m = _mesh_of(req)
         if m is None:
             return
-        from monarch_kernel.actor.actor_mesh import _display
-
         def on_event(e: tuple) -> None:
             if e[0] == "stream" and printer is not None:
                 printer.feed(e[1], e[2], e[3])
             elif e[0] == "display":
-                _display(e[1], e[2])
+                show_display(e[1], e[2])
 
         input_fn, allow = stdin_bridge(_kernel())
         console = _call_consoles[req] = DebugConsole(
@@ -99,6 +98,9 @@ def call_debug_event(req: Request, ev: tuple, printer: RankPrinter | None) -> No
             on_event=on_event, flush=printer.flush_lines if printer is not None else None,
             warn=_err)
     console.on_event(ev)
+
+
+set_debug_handler(call_debug_event)  # actor calls the kernel waits for: their paused ranks
 
 
 def _kernel() -> Any:
@@ -120,12 +122,7 @@ def debug_command(magics: Any, argv: list[str]) -> None:
     UsageError
         For bad arguments, or a rank with no exception to debug.
     """
-    from monarch_kernel.kernel.magics import _parser
-
-    p = _parser("debug")
-    p.add_argument("--post-mortem", dest="post_mortem", metavar="RANK", default=None)
-    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
-    a = p.parse_args(argv)
+    a = command("debug").parse(argv)
     if a.wait < 0:
         raise UsageError("%mesh debug --wait: give 0 or more seconds")
     m = magics.current_mesh()
@@ -150,9 +147,9 @@ def debug_command(magics: Any, argv: list[str]) -> None:
                          f"has ranks 0 to {m.world_size - 1}")
     req = m.root.request("execute", {"code": POST_MORTEM_CODE, "filename": "<mesh-debug>"},
                          [rank])
-    magics._wait(m, req, None)
+    magics.wait_cell(m, req, None)
     report_quits(req, _err)
     status, value = req.replies.get(rank, ("ok", None))
     if status == "error" and "no uncaught exception" in str(value.get("message", "")):
         raise UsageError(f"%mesh debug --post-mortem: {value['message']}")
-    raise_failures(req)
+    raise_request_failures(req)

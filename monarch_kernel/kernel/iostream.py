@@ -3,8 +3,8 @@
 ipykernel flushes both streams several times around every cell (before and
 after ``execute_request``, after each shell message). Each
 :meth:`OutStream.flush` hands two callbacks to the IOPub thread and waits
-for it, even when nothing was written: on this machine that is about a
-third of a ``pass`` cell's time in the kernel. :class:`OutStream` skips a
+for it, even when nothing was written: round trips to another thread on
+every cell's path. :class:`OutStream` skips a
 flush when nothing was written since the last flush that completed, which
 is when the stock flush would publish nothing.
 

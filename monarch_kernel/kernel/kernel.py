@@ -25,8 +25,8 @@ class MonarchShell(ZMQInteractiveShell):
 
     ipykernel's ``do_execute`` transforms a cell (to learn whether it must run
     as a coroutine), then calls ``run_cell``, which transforms it again: for a
-    ``%%mesh`` cell that is a second tokenization of the cell, about 50 us
-    here. The second call with the very same string returns the first's
+    ``%%mesh`` cell that is a second tokenization of the cell, on every
+    cell's path. The second call with the very same string returns the first's
     result (one entry, used once: nothing runs between the two calls, so the
     interpreter state that a one-line cell's transformation reads is the same).
     """

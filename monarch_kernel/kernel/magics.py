@@ -2,14 +2,15 @@
 
 ``%mesh spawn N [--dist gloo|nccl|none]``, ``%%mesh [--ranks SPEC]``,
 ``%mesh push NAME...``, ``x = %mesh pull NAME``, ``%mesh status``,
-``%mesh stop``. Bad input raises IPython's ``UsageError``: one line that
-says what to do, and the kernel stays usable.
+``%mesh stop``, ...: the commands, their arguments, usage and help are
+defined once in :mod:`monarch_kernel.kernel.commands`; this module runs them.
+Bad input raises IPython's ``UsageError``: one line that says what to do, and
+the kernel stays usable.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import signal
 import sys
@@ -23,60 +24,22 @@ from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.io import spin_seconds
 from monarch_kernel.debug.console import report_quits
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, _ranks_label
+from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, ranks_label
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
-from monarch_kernel.kernel.debug_bridge import cell_console, debug_command  # also serves paused actor calls
+from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, command, usage_text
+# (debug_bridge also serves the calls of actors paused in pdb)
+from monarch_kernel.kernel.debug_bridge import cell_console, debug_command
+from monarch_kernel.tensors.handles import Ref, bind_refs, show
+from monarch_kernel.ui.status import StatusTable
 
 __all__ = ["MeshMagics"]
 
 #: ranks a local mesh may have (more is almost surely a typo)
 MAX_LOCAL_RANKS = 1024
-
-USAGE = """\
-%mesh spawn N|HxP [--dist gloo|nccl|none] [--launcher local|slurm] [--bind ADDR] [--name mesh]
-    [--restart never|on-failure] [--max-restarts K] [--heartbeat S] [--telemetry-interval S]
-    Slurm: [--partition P] [--time T] [--account A] [--gpus-per-node G] [--nodes N] [--sbatch ARGS]
-%%mesh [--ranks SPEC] [--timeout SECONDS]     run the cell on every rank (or SPEC: 0, 1,3, 0:2)
-%mesh push NAME [NAME ...]                   copy notebook variables to every rank
-x = %mesh pull NAME                          a ValueMesh of NAME from every rank
-r = %mesh ref NAME                           a handle to NAME; the values stay on the ranks
-%mesh show REF|NAME [--values K]             per rank: type, shape, dtype, device, K values
-%mesh status                                 rank, host, pid, state, cpu, memory, gpu
-%mesh dashboard [--interval S] [--history S] [--layout auto|rows|heatmap]   live widget
-%mesh restart RANKS                          replace ranks (3, 1,2, 0:4, all) with fresh processes
-%mesh debug [--wait S] [--post-mortem RANK]  console for paused ranks (breakpoint() on ranks)
-%mesh use NAME                               make mesh NAME (spawn --name, or a variable
-                                             holding a spawn_procs mesh) the current one
-%mesh stop [--all]                           stop the current mesh's workers (--all: every mesh)"""
-
-
-def _usage_of(name: str) -> str:
-    """The usage line of one command (``"%mesh spawn"``, ``"%%mesh"``), without its help."""
-    for line in USAGE.splitlines():
-        head = re.split(r"\s{2,}", line.strip())[0]
-        if head.startswith(f"{name} ") or head == name or f"= {name} " in head:
-            return head
-    return "see  %mesh help"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        cmd = self.prog.split()[-1]
-        name = cmd if cmd.startswith("%") else f"%mesh {cmd}"
-        raise UsageError(f"{name}: {message}. Usage: {_usage_of(name)}")
-
-    def exit(self, status: int = 0, message: str | None = None) -> Any:
-        raise UsageError(message or USAGE)
-
-
-def _parser(name: str) -> _Parser:
-    # exit_on_error stays True: bad values (type=float, choices) then reach error() above
-    return _Parser(prog=f"%mesh {name}", add_help=False)
-
 
 def parse_shape(text: str) -> dict[str, int]:
     """``"4"`` -> ``{"hosts": 1, "procs": 4}``; ``"2x4"`` -> ``{"hosts": 2, "procs": 4}``.
@@ -106,10 +69,6 @@ def parse_shape(text: str) -> dict[str, int]:
             f"{MAX_LOCAL_RANKS} this kernel allows; spawn fewer ranks"
         )
     return dims
-
-
-#: ``%mesh spawn`` options that go to the Slurm launcher
-SLURM_OPTIONS = ("--partition", "--time", "--account", "--gpus-per-node", "--nodes", "--sbatch")
 
 
 def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -184,14 +143,16 @@ class MeshMagics(Magics):
         except ValueError as e:
             raise UsageError(f"%mesh: cannot parse {line!r}: {e}") from None
         if not argv or argv[0] in ("help", "-h", "--help"):
-            print(USAGE)
+            print(self._help(argv[1:2]))
             return None
         cmd, rest = argv[0], argv[1:]
-        handler = getattr(self, f"_cmd_{cmd}", None)
-        if handler is None:
-            known = ", ".join(n[5:] for n in dir(self) if n.startswith("_cmd_"))
-            raise UsageError(f"%mesh: unknown command {cmd!r}; use one of {known} "
-                             "(see  %mesh help)")
+        if cmd not in self._line_commands:
+            raise UsageError(f"%mesh: unknown command {cmd!r}; use one of "
+                             f"{', '.join(self._line_commands)} (see  %mesh help)")
+        if rest and rest[0] in ("-h", "--help"):
+            print(command(cmd).help_text())
+            return None
+        handler = getattr(self, f"_cmd_{cmd}")
         try:
             return handler(rest)
         except (UsageError, KeyboardInterrupt):
@@ -201,22 +162,22 @@ class MeshMagics(Magics):
                 raise UsageError(f"%mesh {cmd}: {e}") from None
             raise
 
+    #: the commands of the %mesh line magic, as the user sees them listed
+    _line_commands = tuple(c.name for c in COMMANDS if c is not CELL)
+
+    @staticmethod
+    def _help(names: list[str]) -> str:
+        """``%mesh help``, or ``%mesh help CMD`` (one command's arguments)."""
+        if names:
+            try:
+                return command(names[0]).help_text()
+            except KeyError:
+                pass
+        return usage_text()
+
     # ------------------------------------------------------------ commands
     def _cmd_spawn(self, argv: list[str]) -> ProcMesh:
-        p = _parser("spawn")
-        p.add_argument("size")
-        p.add_argument("--dist", choices=["gloo", "nccl", "none"], default="none")
-        p.add_argument("--launcher", default="local")
-        p.add_argument("--bind", default=None)
-        for opt in SLURM_OPTIONS:
-            p.add_argument(opt, type=int if opt in ("--gpus-per-node", "--nodes") else str)
-        p.add_argument("--name", default="mesh")
-        p.add_argument("--heartbeat", type=float, default=1.0)
-        p.add_argument("--timeout", type=float, default=120.0)
-        p.add_argument("--restart", choices=["never", "on-failure"], default="never")
-        p.add_argument("--max-restarts", type=int, default=3)
-        p.add_argument("--telemetry-interval", type=float, default=1.0)
-        a = p.parse_args(argv)
+        a = command("spawn").parse(argv)
         if a.telemetry_interval < 0:
             raise UsageError("%mesh spawn: --telemetry-interval must be 0 (off) or more seconds")
         if a.max_restarts < 0:
@@ -258,9 +219,7 @@ class MeshMagics(Magics):
         return None
 
     def _cmd_stop(self, argv: list[str]) -> None:
-        p = _parser("stop")
-        p.add_argument("--all", action="store_true")
-        a = p.parse_args(argv)
+        a = command("stop").parse(argv)
         if a.all:
             self.stop_all()
             print("stopped every mesh")
@@ -271,9 +230,7 @@ class MeshMagics(Magics):
         self.meshes.pop(self.current or "", None)
 
     def _cmd_use(self, argv: list[str]) -> None:
-        p = _parser("use")
-        p.add_argument("name")
-        a = p.parse_args(argv)
+        a = command("use").parse(argv)
         m = self.meshes.get(a.name)
         adopted = ""
         if m is None or m.root._stopped:
@@ -308,10 +265,7 @@ class MeshMagics(Magics):
         return value
 
     def _cmd_restart(self, argv: list[str]) -> None:
-        p = _parser("restart")
-        p.add_argument("ranks", help="a rank spec: 3, 1,2, 0:4 or all")
-        p.add_argument("--timeout", type=float, default=120.0)
-        a = p.parse_args(argv)
+        a = command("restart").parse(argv)
         m = self.current_mesh()
         try:
             ranks = parse_ranks(a.ranks, m.world_size)
@@ -367,14 +321,9 @@ class MeshMagics(Magics):
                              "(in a %%mesh cell)") from None
 
     def _cmd_show(self, argv: list[str]) -> Any:
-        p = _parser("show")
-        p.add_argument("target")
-        p.add_argument("--values", type=int, default=6)
-        a = p.parse_args(argv)
+        a = command("show").parse(argv)
         if a.values < 0:
             raise UsageError("%mesh show: --values must be 0 or more")
-        from monarch_kernel.tensors.handles import Ref, show
-
         target = self.shell.user_ns.get(a.target)
         if not isinstance(target, Ref):
             if not a.target.isidentifier():
@@ -394,17 +343,11 @@ class MeshMagics(Magics):
     def _cmd_status(self, argv: list[str]) -> Any:
         if argv:
             raise UsageError(f"%mesh status: unexpected arguments {' '.join(argv)!r}. "
-                             f"Usage: {_usage_of('%mesh status')}")
-        from monarch_kernel.ui.status import StatusTable
-
+                             f"Usage: {command('status').usage()}")
         return StatusTable(self.current_mesh(), name=self.current)
 
     def _cmd_dashboard(self, argv: list[str]) -> Any:
-        p = _parser("dashboard")
-        p.add_argument("--interval", type=float, default=1.0)
-        p.add_argument("--history", type=float, default=60.0)
-        p.add_argument("--layout", choices=["auto", "rows", "heatmap"], default="auto")
-        a = p.parse_args(argv)
+        a = command("dashboard").parse(argv)
         if a.interval <= 0 or a.history <= 0:
             raise UsageError("%mesh dashboard: --interval and --history must be positive seconds")
         return self.current_mesh().dashboard(interval=a.interval, history=a.history,
@@ -413,11 +356,8 @@ class MeshMagics(Magics):
     # --------------------------------------------------------------- cells
     def _cell(self, line: str, cell: str) -> Any:
         if line.strip():
-            p = _parser("%%mesh")
-            p.add_argument("--ranks", default=None)
-            p.add_argument("--timeout", type=float, default=None)
             try:
-                a = p.parse_args(shlex.split(line))
+                a = CELL.parse(shlex.split(line))
             except ValueError as e:
                 raise UsageError(f"%%mesh: cannot parse {line!r}: {e}") from None
         else:  # a bare %%mesh (the common case) needs no argparse (0.2 ms a cell)
@@ -429,18 +369,16 @@ class MeshMagics(Magics):
             raise UsageError(f"%%mesh --ranks: {e}") from None
         if a.timeout is not None and a.timeout <= 0:
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
-        from monarch_kernel.tensors.handles import bind_refs
-
         bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
-        self._wait(m, req, a.timeout)
+        self.wait_cell(m, req, a.timeout)
         report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
             return None
         return vm
 
-    def _wait(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
+    def wait_cell(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
         self._progress_cell = getattr(self, "_progress_cell", 0) + 1
         printer = RankPrinter(write_stream, on_progress=self._progress)
@@ -461,10 +399,10 @@ class MeshMagics(Magics):
         printer.close()
         if interrupted is not None:
             if killed:
-                print(f"{_ranks_label(killed)} ignored the interrupt and "
+                print(f"{ranks_label(killed)} ignored the interrupt and "
                       f"{'was' if len(killed) == 1 else 'were'} killed", file=sys.stderr)
             if reason != "interrupted":
-                print(f"%%mesh {reason}; {_ranks_label(req.ranks)} "
+                print(f"%%mesh {reason}; {ranks_label(req.ranks)} "
                       f"{'was' if len(req.ranks) == 1 else 'were'} interrupted", file=sys.stderr)
 
     def _interrupt(self, m: ProcMesh, req: Request, first: float | None, killed: list[int],
@@ -500,12 +438,14 @@ class MeshMagics(Magics):
                 if interrupted is not None and now - interrupted > 5.0:
                     raise KeyboardInterrupt  # escalate
                 continue
-            self._event(ev, printer)
+            self.show_event(ev, printer)
             if time.monotonic() - last_flush > 0.1:
                 printer.flush_lines()
                 last_flush = time.monotonic()
 
-    def _event(self, ev: tuple, printer: RankPrinter) -> None:
+    def show_event(self, ev: tuple, printer: RankPrinter) -> None:
+        """Show one event of a running cell (``Request.next_event``): rank output through
+        ``printer``, displays in the notebook; a paused rank is served by the console."""
         kind = ev[0]
         if kind == "done":
             return

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement
 from monarch_kernel.launchers.local import LocalLauncher
+from monarch_kernel.launchers.slurm import SlurmLauncher
 
-__all__ = ["LaunchSpec", "Launcher", "LocalLauncher", "Placement", "get_launcher"]
+__all__ = ["LaunchSpec", "Launcher", "LocalLauncher", "Placement", "SlurmLauncher", "get_launcher"]
 
 
 def get_launcher(name: str | Launcher, **options: object) -> Launcher:
@@ -23,8 +24,6 @@ def get_launcher(name: str | Launcher, **options: object) -> Launcher:
     if name == "local":
         return LocalLauncher(**options)
     if name == "slurm":
-        from monarch_kernel.launchers.slurm import SlurmLauncher
-
         return SlurmLauncher(**options)
     if isinstance(name, str) and ":" in name:
         import importlib

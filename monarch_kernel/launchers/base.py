@@ -15,6 +15,8 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from monarch_kernel.transport.netaddr import primary_address
+
 __all__ = ["LaunchSpec", "Launcher", "Placement", "worker_command"]
 
 
@@ -145,8 +147,6 @@ class Launcher(abc.ABC):
         for local launchers, else the address that reaches the workers' hosts."""
         if self.local:
             return "127.0.0.1"
-        from monarch_kernel.transport.netaddr import primary_address
-
         return primary_address()
 
     @abc.abstractmethod

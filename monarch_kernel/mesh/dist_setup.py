@@ -13,6 +13,10 @@ import os
 import socket
 from typing import Any
 
+from monarch_kernel.errors import raise_request_failures
+from monarch_kernel.tensors import store as tensor_store
+from monarch_kernel.util import gpu
+
 __all__ = ["DIST_BACKENDS", "init_rank", "setup_mesh"]
 
 #: the backends ``spawn_procs(dist=...)`` and ``%mesh spawn --dist`` take
@@ -35,8 +39,6 @@ def setup_mesh(root: Any, timeout: float = 120.0) -> None:
     RemoteError
         If the set-up failed on a rank.
     """
-    from monarch_kernel.mesh.procmesh import raise_failures
-
     host = root.controller.address.split("//")[1].rsplit(":", 1)[0]
     if root.launcher.local:
         master, port = host, _free_port(host)
@@ -49,7 +51,7 @@ def setup_mesh(root: Any, timeout: float = 120.0) -> None:
     for req in reqs:
         if not req.wait(timeout + 10):
             raise TimeoutError(f"torch.distributed set-up did not finish in {timeout} s")
-        raise_failures(req)
+        raise_request_failures(req)
 
 
 def init_rank(worker: Any, content: dict[str, Any]) -> None:
@@ -80,8 +82,7 @@ def init_rank(worker: Any, content: dict[str, Any]) -> None:
                     f"--dist nccl needs a GPU, but rank {worker.rank} sees none; "
                     "use --dist gloo on CPU-only machines"
                 )
-            from monarch_kernel import gpu  # every thread of the rank: actors, telemetry, arrivals
-
+            # every thread of the rank: actors, telemetry, arrivals
             gpu.assign(local_rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
@@ -93,8 +94,7 @@ def init_rank(worker: Any, content: dict[str, Any]) -> None:
             _check_one_gpu_per_rank(dist, torch, worker.rank, worker.world_size)
         worker.namespace.setdefault("dist", dist)
         worker.namespace.setdefault("torch", torch)
-        from monarch_kernel import tensor_store  # the mesh's named dimensions as a DeviceMesh
-
+        # the mesh's named dimensions as a DeviceMesh
         worker.namespace["device_mesh"] = tensor_store.init_device_mesh(worker.shape, backend)
 
 
@@ -115,9 +115,7 @@ def _rank0_endpoint(root: Any, controller_host: str, timeout: float) -> tuple[st
     req = root.controller.request([0], "execute", {"code": code, "filename": "<monarch-dist>"})
     if not req.wait(timeout):
         raise TimeoutError(f"rank 0 did not say its address within {timeout} s")
-    from monarch_kernel.mesh.procmesh import raise_failures
-
-    raise_failures(req)
+    raise_request_failures(req)
     addr, port = req.replies[0][1]
     return addr, int(port)
 

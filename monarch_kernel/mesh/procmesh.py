@@ -11,27 +11,45 @@ its meshes has them stopped at exit.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
+import time
 import weakref
 from typing import Any
 
+from monarch_kernel.actor import mesh_keys
+from monarch_kernel.actor.host import supervise_from_current_actor
+from monarch_kernel.actor.spawn import spawn_actor_mesh
 from monarch_kernel.controller.controller import Controller, Request
+from monarch_kernel.controller.output import RankPrinter, write_stream
 from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
+from monarch_kernel.mesh.supervision import (
+    RESTART_POLICIES,
+    Supervisor,
+    restart_ranks,
+    stop_survivors,
+)
 from monarch_kernel.errors import (
     MESH_STOPPED,
     MeshError,
     MeshFailure,
     RankSpecError,
-    RemoteError,
-    group_failures,
-    remote_exception,
+    raise_request_failures,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
 from monarch_kernel.mesh.shape import Shape, ValueMesh, parse_ranks
+from monarch_kernel.tensors.handles import ref_of
+from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
+from monarch_kernel.transport.sockets import is_loopback
 
-__all__ = ["HostMesh", "ProcMesh", "spawn_procs", "this_host"]
+__all__ = ["HostMesh", "ProcMesh", "live_meshes", "spawn_procs", "this_host"]
 
 _live: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
+
+
+def live_meshes() -> list[ProcMesh]:
+    """The root meshes this process spawned and did not stop yet."""
+    return list(_live)
 
 class ProcMesh:
     """A mesh of worker processes with named dimensions.
@@ -149,15 +167,12 @@ class ProcMesh:
         if not show_output(req, timeout):
             raise TimeoutError(f"no answer from ranks {req.ranks} within {timeout} s")
         if req.failure is not None:  # fail fast: stop what the other ranks still run
-            from monarch_kernel.controller.output import RankPrinter, write_stream
-            from monarch_kernel.mesh.supervision import stop_survivors
-
             printer = RankPrinter(write_stream)
             try:
                 stop_survivors(self, req, lambda ev: _print_event(printer, ev))
             finally:
                 printer.close()
-        raise_failures(req)
+        raise_request_failures(req)
         shape = self._shape_for(req.ranks if ranks is None else ranks)
         return ValueMesh(shape, [req.replies[r][1] for r in shape.ranks])
 
@@ -228,8 +243,6 @@ class ProcMesh:
     # ---------------------------------------------------------------- actors
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
         """Construct ``actor_class(*args, **kwargs)`` on every rank: an ActorMesh."""
-        from monarch_kernel.actor.actor_mesh import spawn_actor_mesh
-
         return spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
     def ref(self, name: str) -> Any:
@@ -241,8 +254,6 @@ class ProcMesh:
         RemoteError
             (also a NameError) if a rank has no such variable.
         """
-        from monarch_kernel.tensors.handles import ref_of
-
         return ref_of(self, name)
 
     def dashboard(self, interval: float = 1.0, history: float = 60.0, layout: str = "auto"
@@ -257,7 +268,7 @@ class ProcMesh:
             If the mesh was stopped.
         """
         self._check()
-        from monarch_kernel.ui.dashboard import Dashboard
+        from monarch_kernel.ui.dashboard import Dashboard  # (ipywidgets: heavy, loaded on use)
 
         return Dashboard(self, interval=interval, history=history, layout=layout)
 
@@ -281,8 +292,6 @@ class ProcMesh:
 
         See :func:`monarch_kernel.mesh.supervision.restart_ranks`.
         """
-        from monarch_kernel.mesh.supervision import restart_ranks
-
         if ranks is None:
             ranks = self.ranks
         elif isinstance(ranks, str):
@@ -308,8 +317,6 @@ class ProcMesh:
         if root._stopped:
             return
         root._stopped = True
-        from monarch_kernel.actor import mesh_keys
-
         mesh_keys.unregister(root.controller)  # the other meshes' workers forget its key
         root.controller.stopping = True  # exits from here on are "stopped", not "dead"
         live = [r for r, i in root.controller.ranks.items() if i.state not in ("dead", "stopped")]
@@ -336,10 +343,6 @@ class ProcMesh:
 
 def show_output(req: Request, timeout: float | None = None) -> bool:
     """Print ``req``'s rank-tagged output live until it is done; True if done."""
-    import time
-
-    from monarch_kernel.controller.output import RankPrinter, write_stream
-
     printer = RankPrinter(write_stream)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -365,25 +368,6 @@ def _print_event(printer: Any, ev: tuple) -> None:
         text = ev[2].get("data", {}).get("text/plain")
         if text:
             printer.feed(ev[1], "stdout", text + "\n")
-
-
-def raise_failures(req: Request, actor: str | None = None) -> None:
-    """Raise what went wrong with ``req``, if anything (see :meth:`ProcMesh.collect`)."""
-    failures = req.failures(actor)
-    if req.failure is not None:
-        if failures:  # ranks that failed too (often because of the dead one)
-            req.failure.others = [remote_exception(g) for g in group_failures(failures)]
-        raise req.failure
-    if failures:
-        from monarch_kernel.errors import ActorError
-
-        base = ActorError if actor else RemoteError
-        groups = group_failures(failures)
-        if len(groups) == 1:
-            raise remote_exception(groups[0], base)
-        err = remote_exception(groups[0], base)
-        err.others = [remote_exception(g, base) for g in groups[1:]]
-        raise err
 
 
 def spawn_procs(
@@ -460,8 +444,6 @@ def spawn_procs(
     sh = Shape(shape)
     if dist not in (None, *DIST_BACKENDS):
         raise MeshError(f"unknown --dist backend {dist!r}; use gloo, nccl or none")
-    from monarch_kernel.mesh.supervision import RESTART_POLICIES, Supervisor
-
     if restart not in RESTART_POLICIES:
         raise MeshError(f"unknown restart policy {restart!r}; use never or on-failure")
     n = len(sh)
@@ -469,8 +451,6 @@ def spawn_procs(
         raise MeshError(f"{n} ranks is more than this controller supports (4096)")
     la = get_launcher(launcher, **(launcher_options or {}))
     ctl = _controller_for(la, bind, heartbeat, on_output, encrypt)
-    from monarch_kernel.actor import mesh_keys
-
     mesh_keys.register(ctl)  # this program's meshes: their actors may call each other
     mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
@@ -498,8 +478,6 @@ def spawn_procs(
         raise
     if restart == "on-failure":
         mesh.supervisor = Supervisor(mesh, max_restarts)
-    from monarch_kernel.actor.host import supervise_from_current_actor
-
     supervise_from_current_actor(ctl)  # spawned by an actor: its __supervise__ sees failures
     _live.add(mesh)
     return mesh
@@ -508,9 +486,6 @@ def spawn_procs(
 def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any,
                     encrypt: bool | None = None) -> Controller:
     """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
-    from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
-    from monarch_kernel.transport.sockets import is_loopback
-
     try:
         addr = resolve_bind(bind) if bind else la.default_bind()
     except ValueError as e:
@@ -522,8 +497,6 @@ def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output:
         ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
         ctl.down_address = ctl.down_address.replace("0.0.0.0", la.default_bind(), 1)
     if not is_loopback(addr) and not encrypt:
-        import sys
-
         print(f"warning: the mesh controller listens on {ctl.address} (not loopback) with "
               "encryption turned off: mesh traffic is signed (HMAC) but NOT encrypted, so "
               "anyone on that network can read it; use only trusted networks",

@@ -26,7 +26,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from monarch_kernel.errors import MESH_STOPPED, MeshError
+from monarch_kernel.actor import mesh_keys
+from monarch_kernel.errors import MESH_STOPPED, MeshError, ranks_label
 
 if TYPE_CHECKING:
     from monarch_kernel.mesh.procmesh import ProcMesh
@@ -107,8 +108,6 @@ def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
     spec = dataclasses.replace(root.spec, ranks=list(ranks))
     la.launch(spec)
     ctl.wait_ready(ranks, timeout)
-    from monarch_kernel.actor import mesh_keys
-
     mesh_keys.introduce(ctl, ranks)  # a fresh process knows no other mesh's key
     if root.dist:
         root.setup_dist(timeout)
@@ -234,9 +233,7 @@ class Supervisor:
         root = self.mesh.root
         try:
             done = _relaunch(root, ranks, 120, self._notify)
-            from monarch_kernel.errors import _ranks_label
-
-            self._notify(f"{_ranks_label(done)} restarted")
+            self._notify(f"{ranks_label(done)} restarted")
         except Exception as e:  # noqa: BLE001 - reported, and the ranks stay dead
             if not root._stopped:
                 self._notify(f"restarting ranks {ranks} failed: {e}")

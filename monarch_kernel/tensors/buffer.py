@@ -33,16 +33,24 @@ from __future__ import annotations
 
 import secrets
 import sys
-import threading
 from typing import Any
 
-from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future, check_timeout
+from monarch_kernel.actor.mesh_keys import check_known
+from monarch_kernel.actor.peers import peer_host
+from monarch_kernel.errors import MeshError
+from monarch_kernel.tensors import buffer_ops
+from monarch_kernel.tensors.memory import (
+    byte_view,
+    copy_bytes,
+    lookup,
+    nbytes,
+    register,
+    registered,
+    unregister,
+)
 
-__all__ = ["RDMABuffer"]
-
-_registry: dict[str, Any] = {}  # buffer id -> registered object (owner side)
-_lock = threading.Lock()
+__all__ = ["RDMABuffer", "registered", "unregister"]
 
 #: seconds an operation waits for the owner by default
 DEFAULT_TIMEOUT_S = 60.0
@@ -56,58 +64,6 @@ def _worker() -> Any:
                         "drop buffers in actor endpoints or %%mesh cells (the controller can "
                         "only hold handles and pass them on)")
     return w
-
-
-def _byte_view(x: Any, what: str, writable: bool) -> Any:
-    """A flat uint8 view of ``x`` sharing its memory: a torch tensor for a
-    tensor (on its device), a numpy array for anything else."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.layout != torch.strided or not x.is_contiguous():
-            raise ValueError(f"{what} must be a contiguous tensor; got shape "
-                             f"{tuple(x.shape)} with strides {x.stride()} (call .contiguous())")
-        if x.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{what} is on {x.device}; only CPU and CUDA tensors can be used")
-        return x.detach().reshape(-1).view(torch.uint8)
-    import numpy as np
-
-    try:
-        a = np.asarray(memoryview(x) if not isinstance(x, np.ndarray) else x)
-    except TypeError:
-        raise TypeError(f"{what} must be a torch.Tensor, a numpy array or a buffer; got "
-                        f"{type(x).__name__}") from None
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{what} is read-only")
-    return a.reshape(-1).view(np.uint8)
-
-
-def _is_cuda(view: Any) -> bool:
-    return getattr(getattr(view, "device", None), "type", "cpu") == "cuda"
-
-
-def _copy(dst: Any, src: Any) -> None:
-    """Copy between flat uint8 views (torch or numpy, any device), synchronously:
-    CUDA copies are complete when this returns."""
-    import numpy as np
-
-    torch = sys.modules.get("torch")
-    dt = torch is not None and isinstance(dst, torch.Tensor)
-    st = torch is not None and isinstance(src, torch.Tensor)
-    if dt and dst.device.type == "cpu":
-        dst, dt = dst.numpy(), False
-    if st and src.device.type == "cpu":
-        src, st = src.numpy(), False
-    if not dt and not st:
-        np.copyto(dst, src)  # (numpy lets other threads run during a large copy)
-        return
-    d = dst if dt else torch.from_numpy(dst)
-    s = src if st else torch.from_numpy(src if src.flags.writeable else src.copy())
-    d.copy_(s)
-    for t in (d, s):  # the copy's streams only: never wait for, say, NCCL's work here
-        if t.device.type == "cuda":
-            torch.cuda.current_stream(t.device).synchronize()
 
 
 class RDMABuffer:
@@ -138,21 +94,18 @@ class RDMABuffer:
 
     def __init__(self, data: Any) -> None:
         w = _worker()
-        view = _byte_view(data, "data", writable=True)
-        nbytes = _nbytes(view)
-        if nbytes == 0:
+        view = byte_view(data, "data", writable=True)
+        size = nbytes(view)
+        if size == 0:
             raise ValueError("cannot make an RDMABuffer of 0 bytes")
-        from monarch_kernel.actor.peers import peer_host
-
         host = peer_host(w)
         self._id = secrets.token_hex(8)
         self._rank = int(w.rank)
         self._address = host.address
-        self._nbytes = nbytes
+        self._nbytes = size
         self._device = str(view.device) if hasattr(view, "numel") else "cpu"
         self._mesh = w.codec.fingerprint  # (which mesh: mesh_keys.check_known)
-        with _lock:
-            _registry[self._id] = (data, view)
+        register(self._id, data, view)
 
     # -------------------------------------------------------------- the handle
     def __reduce__(self) -> tuple:
@@ -205,8 +158,8 @@ class RDMABuffer:
             Outside the ranks of a mesh. Through the future: MeshError if the
             buffer was dropped, MeshFailure if the owner died.
         """
-        view = _byte_view(dst, "dst", writable=True)
-        n = _nbytes(view)
+        view = byte_view(dst, "dst", writable=True)
+        n = nbytes(view)
         if n < self._nbytes:
             raise ValueError(f"dst has {n} bytes but the buffer holds {self._nbytes}: pass a "
                              f"tensor of at least {self._nbytes} bytes")
@@ -236,8 +189,8 @@ class RDMABuffer:
             Outside the ranks of a mesh; through the future as for
             :meth:`read_into`.
         """
-        view = _byte_view(src, "src", writable=False)
-        n = _nbytes(view)
+        view = byte_view(src, "src", writable=False)
+        n = nbytes(view)
         if n > self._nbytes:
             raise ValueError(f"src has {n} bytes but the buffer holds only {self._nbytes}: "
                              f"write a part of it (at most {self._nbytes} bytes), or register "
@@ -262,15 +215,11 @@ class RDMABuffer:
     def _worker_of_mesh(self) -> Any:
         """This worker, if it may reach the owner: a rank of the owner's mesh, or of
         another mesh of its program (:mod:`monarch_kernel.actor.mesh_keys`)."""
-        from monarch_kernel.actor.mesh_keys import check_known
-
         w = _worker()
         check_known(w, self._mesh, repr(self))
         return w
 
     def _is_owner(self, w: Any) -> bool:
-        from monarch_kernel.actor.peers import peer_host
-
         return peer_host(w).address == self._address
 
     def _start(self, op: str, view: Any, timeout: float | None) -> Future[Any]:
@@ -278,46 +227,18 @@ class RDMABuffer:
         w = self._worker_of_mesh()
         if self._is_owner(w):  # the owner itself: a plain copy
             try:
-                reg = _lookup(self._id, self._rank)[1]
-                n = _nbytes(view)
-                _copy(view, reg[:n]) if op == "read" else _copy(reg[:n], view)
+                reg = lookup(self._id, self._rank)[1]
+                n = nbytes(view)
+                copy_bytes(view, reg[:n]) if op == "read" else copy_bytes(reg[:n], view)
             except BaseException as e:  # noqa: BLE001 - reported through the future
                 return Future.failed(e)
             return Future.completed(n if op == "read" else None)
-        from monarch_kernel.tensors import buffer_ops
-
         return buffer_ops.start(w, self, op, view, timeout)
 
 
-def _nbytes(view: Any) -> int:
-    return int(view.numel()) if hasattr(view, "numel") else int(view.nbytes)
-
-
-def _lookup(bid: str, rank: int) -> tuple[Any, Any]:
-    with _lock:
-        entry = _registry.get(bid)
-    if entry is None:
-        raise MeshError(f"RDMABuffer {bid} on rank {rank} was dropped (or its rank was "
-                        "restarted since): register the tensor again")
-    return entry
-
-
-def _rebuild(bid: str, rank: int, address: str, nbytes: int, device: str,
+def _rebuild(bid: str, rank: int, address: str, size: int, device: str,
              mesh: str) -> RDMABuffer:
     b = RDMABuffer.__new__(RDMABuffer)
-    b._id, b._rank, b._address, b._nbytes, b._device = bid, rank, address, nbytes, device
+    b._id, b._rank, b._address, b._nbytes, b._device = bid, rank, address, size, device
     b._mesh = mesh
     return b
-
-
-def unregister(bid: str) -> None:
-    """Forget buffer ``bid`` here (its owner's ``drop``); no error if unknown."""
-    with _lock:
-        _registry.pop(bid, None)
-
-
-def registered(bid: str) -> bool:
-    """True while buffer ``bid`` is registered in this process (tests)."""
-    with _lock:
-        return bid in _registry
-

@@ -10,8 +10,9 @@ takes part. Content::
     {"op": "read" | "write" | "drop", "id": buffer id, "n": bytes,
      "m": "ipc" | "shm" | "band", "shm": file name, "data": array}
 
-``m`` is the route: ``ipc`` asks for a fresh CUDA IPC handle of the
-owner's tensor (the reader then copies device to device itself); ``shm``
+(:class:`monarch_kernel.wire.messages.Buffer`). ``m`` is the route: ``ipc``
+asks for a fresh CUDA IPC handle of the owner's tensor (the reader then
+copies device to device itself); ``shm``
 names a pooled shared-memory file of the reader's, which the owner fills
 (read) or empties (write); ``band`` carries the bytes in the messages
 themselves. The reply is ``{"status": "ok" | "error", "value": ...}``.
@@ -30,10 +31,14 @@ import time
 from typing import Any
 
 from monarch_kernel.wire import shm as _shm
-from monarch_kernel.actor.peers import _addr_host
-from monarch_kernel.tensors.buffer import _byte_view, _copy, _is_cuda, _lookup, _nbytes, unregister
+from monarch_kernel.actor import peers as actor_peers
+from monarch_kernel.actor.peers import address_host, peer_host
+from monarch_kernel.tensors.memory import byte_view, copy_bytes, is_cuda, lookup, nbytes, unregister
 from monarch_kernel.errors import MeshError
 from monarch_kernel.actor.future import Future
+from monarch_kernel.wire.serialize import release_ipc_reference
+from monarch_kernel.wire.messages import BUF_NBYTES, BUF_ROUTE, Buffer, Reply
+from monarch_kernel.wire import torch_ipc
 
 log = logging.getLogger("monarch_kernel.tensors.buffer")
 
@@ -47,7 +52,7 @@ _ipc_refused = False
 
 
 def _route(host: Any, buf: Any) -> str:
-    same = _addr_host(host.address) == _addr_host(buf._address)
+    same = address_host(host.address) == address_host(buf._address)
     if same and buf._device.startswith("cuda") and not _ipc_refused:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
@@ -65,7 +70,7 @@ class _Op:
 
     def __init__(self, buf: Any, op: str, view: Any, route: str) -> None:
         self.buf, self.op, self.view, self.route = buf, op, view, route
-        self.n = _nbytes(view) if view is not None else 0
+        self.n = nbytes(view) if view is not None else 0
         self.future: Future[Any] = Future()
         self.lease: tuple[str, Any] | None = None
         self.deadline: list[Any] | None = None  # its entry in _deadlines
@@ -78,8 +83,6 @@ class _Op:
 def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> Future[Any]:
     """Send operation ``op`` of ``buf`` to its owner (see the module docstring);
     the returned future completes when the reply has been acted on."""
-    from monarch_kernel.actor.peers import peer_host
-
     host = peer_host(worker)
     o = _Op(buf, op, view, _route(host, buf) if op != "drop" else "band")
     if timeout is not None:
@@ -91,7 +94,7 @@ def start(worker: Any, buf: Any, op: str, view: Any, timeout: float | None) -> F
 def _send(host: Any, o: _Op) -> None:
     buf = o.buf
     routes[o.route] += 1
-    content: dict[str, Any] = {"op": o.op, "id": buf._id, "n": o.n, "m": o.route}
+    content: Buffer = {"op": o.op, "id": buf._id, BUF_NBYTES: o.n, BUF_ROUTE: o.route}
     try:
         if o.route == "shm" and o.op != "drop":
             try:
@@ -99,14 +102,14 @@ def _send(host: Any, o: _Op) -> None:
             except OSError as e:  # /dev/shm full (a container's is often 64 MiB)
                 log.info("no shared memory for %d bytes (%s): sending them in-band", o.n, e)
             if o.lease is None:  # the pool is full: send the bytes in the messages
-                o.route = content["m"] = "band"
+                o.route = content[BUF_ROUTE] = "band"
             else:
                 content["shm"] = o.lease[0]
                 if o.op == "write":
                     import numpy as np
 
                     dst = np.frombuffer(o.lease[1], np.uint8, count=o.n)
-                    _copy(dst, o.view)
+                    copy_bytes(dst, o.view)
                     del dst
         if o.route == "band" and o.op != "drop" and o.n > host.codec.max_buffers:
             raise ValueError(
@@ -127,7 +130,7 @@ def _send(host: Any, o: _Op) -> None:
 
 def _to_numpy(view: Any) -> Any:
     if hasattr(view, "numel"):  # a torch uint8 view
-        return view.cpu().numpy() if _is_cuda(view) else view.numpy()
+        return view.cpu().numpy() if is_cuda(view) else view.numpy()
     return view
 
 
@@ -142,9 +145,7 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
         if o.route == "ipc" and req.failure is None and o.op != "drop":
             status, value = req.replies.get(o.buf._rank, ("error", None))
             if status == "ok" and value is not None:  # a handle never opened: let it go
-                from monarch_kernel.wire.serialize import _release_ipc_reference
-
-                _release_ipc_reference(value)
+                release_ipc_reference(value)
         _release(o)
         return
     rank = o.buf._rank
@@ -172,10 +173,10 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
 
                 assert o.lease is not None
                 src = np.frombuffer(o.lease[1], np.uint8, count=o.n)
-                _copy(o.view, src)
+                copy_bytes(o.view, src)
                 del src
             else:
-                _copy(o.view, value)
+                copy_bytes(o.view, value)
         elif o.op == "write" and o.route == "ipc":
             _ipc_copy(o, value)
     except BaseException as e:  # noqa: BLE001 - reported through the future
@@ -185,14 +186,12 @@ def _finish(host: Any, o: _Op, req: Any) -> None:
 
 
 def _ipc_copy(o: _Op, args: tuple) -> None:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    alias = rebuild_cuda_tensor(*args)  # the owner's bytes, mapped into this process
+    alias = torch_ipc.rebuild(args)  # the owner's bytes, mapped into this process
     try:
         if o.op == "read":
-            _copy(o.view, alias[: o.n])
+            copy_bytes(o.view, alias[: o.n])
         else:
-            _copy(alias[: o.n], o.view)
+            copy_bytes(alias[: o.n], o.view)
     finally:
         del alias
 
@@ -216,8 +215,8 @@ def _release(o: _Op) -> None:
 
 class _Deadlines:
     """One thread that runs callbacks when their deadlines pass (a
-    ``threading.Timer`` per operation would start a thread each time: about
-    0.1 ms, as much as a small read). Operations that finish first cancel
+    ``threading.Timer`` per operation would start a thread each time, as
+    costly as a small read). Operations that finish first cancel
     theirs; cancelled entries are dropped when they come up, or all at once
     when they are most of the heap."""
 
@@ -301,10 +300,10 @@ def _expire(o: _Op, timeout: float) -> None:
 def serve(host: Any, msg: Any) -> None:
     """Answer a ``buffer`` message (the thread that read it: the owner's peer I/O
     thread, or the thread leading its I/O, :mod:`monarch_kernel.worker.io`)."""
-    c = msg.content
+    c: Buffer = msg.content
     try:
         value = _serve(c, host.rank)
-        reply = {"status": "ok", "value": value}
+        reply: Reply = {"status": "ok", "value": value}
     except _NoIpc as e:
         reply = {"status": "error", "value": {"type": "RuntimeError", "message": str(e),
                                              "code": "noipc"}}
@@ -330,24 +329,22 @@ _ERRORS: dict[str, type[Exception]] = {
     "SerializationError": RuntimeError}
 
 
-def _serve(c: dict[str, Any], rank: int) -> Any:
-    op, route = c["op"], c.get("m")
+def _serve(c: Buffer, rank: int) -> Any:
+    op, route = c["op"], c.get(BUF_ROUTE)
     if op == "drop":
         unregister(c["id"])
         return None
     if op not in ("read", "write"):
         raise ValueError(f"unknown buffer operation {op!r}")
-    reg = _lookup(c["id"], rank)[1]
-    n = int(c["n"])
-    if not 0 <= n <= _nbytes(reg):
-        raise ValueError(f"{n} bytes asked of a buffer of {_nbytes(reg)}")
+    reg = lookup(c["id"], rank)[1]
+    n = int(c[BUF_NBYTES])
+    if not 0 <= n <= nbytes(reg):
+        raise ValueError(f"{n} bytes asked of a buffer of {nbytes(reg)}")
     if route == "ipc":
-        if not _is_cuda(reg):
+        if not is_cuda(reg):
             raise ValueError("CUDA IPC asked for a buffer that is not on a GPU")
         try:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            return reduce_tensor(reg)[1]
+            return torch_ipc.reduce(reg)
         except Exception as e:
             raise _NoIpc(f"CUDA IPC unavailable on rank {rank}: {e}") from e
     if route == "shm":
@@ -356,17 +353,20 @@ def _serve(c: dict[str, Any], rank: int) -> Any:
         mm = _shm.map_writable(c["shm"], n)
         view = np.frombuffer(mm, np.uint8, count=n)
         try:
-            _copy(view, reg[:n]) if op == "read" else _copy(reg[:n], view)
+            copy_bytes(view, reg[:n]) if op == "read" else copy_bytes(reg[:n], view)
         finally:
             del view
         return None
     if op == "read":
         return _to_numpy(reg[:n])
-    data = _byte_view(c["data"], "data", writable=False)
-    if _nbytes(data) != n:
-        raise ValueError(f"write of {n} bytes carried {_nbytes(data)}")
-    _copy(reg[:n], data)
+    data = byte_view(c["data"], "data", writable=False)
+    if nbytes(data) != n:
+        raise ValueError(f"write of {n} bytes carried {nbytes(data)}")
+    copy_bytes(reg[:n], data)
     return None
 
 
 __all__ = ["serve", "start"]
+
+
+actor_peers.register_handler("buffer", serve)  # an RDMABuffer operation: answered right here

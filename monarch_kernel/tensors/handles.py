@@ -41,11 +41,16 @@ import threading
 import weakref
 from typing import Any
 
+from monarch_kernel.actor.actor_mesh import on_a_rank
+from monarch_kernel.actor.adverbs import set_rref
+from monarch_kernel.actor.replies import raise_failures
+from monarch_kernel.actor.rref import note_pickled
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.mesh.shape import Shape, ValueMesh
-from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, note_pickled, resolve
+from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, resolve, set_controller_rebuild
+from monarch_kernel.wire.messages import Free, Ref as RefRequest
 
-__all__ = ["Ref", "RefTable", "bind_refs", "ref_of", "rref_call", "show"]
+__all__ = ["Ref", "RefTable", "bind_refs", "rebuild_local", "ref_of", "rref_call", "show"]
 
 _entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
 
@@ -102,7 +107,7 @@ def _free_loop() -> None:
             if rt._stopped:
                 continue
             try:
-                rt.controller.notify(list(rk), "free", {"ids": ids})
+                rt.controller.notify(list(rk), "free", Free(ids=ids))
             except Exception:  # noqa: BLE001 - the mesh is closing: the values go with it
                 pass
 
@@ -116,7 +121,7 @@ def _start_free_thread() -> None:
             _free_thread.start()
 
 
-def _rebuild_local(id: str, label: str) -> Ref:
+def rebuild_local(id: str, label: str) -> Ref:
     """A handle unpickled on the controller (a copy): the same values."""
     entry = _entries.get(id)
     if entry is None or entry.freed:
@@ -238,8 +243,8 @@ class Ref:
         ranks = self.ranks if ranks is None else ranks
         self._check(ranks)
         root = self._entry.root
-        req = root.request("ref", {"op": op, "id": self.id, "label": self.label, **content},
-                           ranks)
+        req = root.request("ref", RefRequest(  # (content: the keys of this op's request)
+            op=op, id=self.id, label=self.label, **content), ranks)  # type: ignore[typeddict-item]
         root.collect(req, ranks)
         return {r: req.replies[r][1] for r in ranks}
 
@@ -445,7 +450,7 @@ def ref_of(procmesh: Any, name: str) -> Ref:
     procmesh._check()
     entry = _Entry(procmesh.root, procmesh.shape, name)
     try:
-        req = procmesh.request("ref", {"op": "keep", "id": entry.id, "name": name})
+        req = procmesh.request("ref", RefRequest(op="keep", id=entry.id, name=name))
         procmesh.collect(req)
     except BaseException:
         entry.free()
@@ -458,9 +463,7 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
     (``Endpoint.rref``)."""
     mesh = ep._mesh
     rec = mesh._record
-    from monarch_kernel.actor.actor_mesh import _current_worker, _raise_failures
-
-    if rec.procmesh is None or _current_worker() is not None:
+    if rec.procmesh is None or on_a_rank():
         raise RuntimeError("rref() makes handles for the controller; call it from the "
                            "controller that spawned the actors")
 
@@ -468,7 +471,7 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
     name = mesh.name
 
     def finish(req: Any) -> None:
-        _raise_failures(req, name)
+        raise_failures(req, name)
 
     try:
         mesh._future(mesh.shape.ranks, ep._name, args, kwargs, finish, keep=entry.id).get()
@@ -478,7 +481,12 @@ def rref_call(ep: Any, args: tuple, kwargs: dict[str, Any]) -> Ref:
     return Ref(entry, mesh.shape)
 
 
+set_rref(rref_call)  # Endpoint.rref
+set_controller_rebuild(rebuild_local)  # a handle unpickled on its controller: a handle
+
+
 # ------------------------------------------------------------------ cells
+
 def _names_in(code: str) -> set[str]:
     try:
         tree = ast.parse(code)
@@ -593,6 +601,6 @@ def show(procmesh: Any, target: Any, preview: int = 6) -> RefTable:
         return target.table(preview)
     if not isinstance(target, str) or not target.isidentifier():
         raise ValueError(f"{target!r} is neither a handle nor a variable name")
-    req = procmesh.request("ref", {"op": "meta", "name": target, "preview": preview})
+    req = procmesh.request("ref", RefRequest(op="meta", name=target, preview=preview))
     vm = procmesh.collect(req)
     return RefTable(target, ValueMesh(procmesh.shape, vm.values()))

@@ -32,12 +32,15 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.actor.rref import set_result_keeper
 from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.wire.messages import Ref
 
 __all__ = ["describe", "device_mesh", "free", "handle", "init_device_mesh", "keep", "local_ids",
-           "resolve"]
+           "resolve", "set_controller_rebuild"]
 
 _store: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -142,17 +145,15 @@ def _get(id: str, label: str = "", ranks: list[int] | None = None) -> Any:
                       "the rank was restarted)", rank=rank)
 
 
-_pickling = threading.local()
+#: what a handle unpickled outside the ranks (on its controller) becomes:
+#: ``rebuild(id, label)``, set by :mod:`monarch_kernel.tensors.handles` when imported
+_controller_rebuild: Callable[[str, str], Any] | None = None
 
 
-def note_pickled() -> None:
-    """Count one handle pickled by this thread (``Ref.__reduce__``)."""
-    _pickling.count = getattr(_pickling, "count", 0) + 1
-
-
-def pickled_count() -> int:
-    """Handles pickled by this thread so far (a sender compares two readings)."""
-    return getattr(_pickling, "count", 0)
+def set_controller_rebuild(rebuild: Callable[[str, str], Any]) -> None:
+    """Make ``rebuild(id, label)`` what :func:`resolve` returns off the ranks."""
+    global _controller_rebuild
+    _controller_rebuild = rebuild
 
 
 def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
@@ -170,9 +171,9 @@ def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
     """
     w = _current_worker()
     if w is None:
-        from monarch_kernel.tensors.handles import _rebuild_local
-
-        return _rebuild_local(id, label)
+        if _controller_rebuild is None:  # (no handle was ever made in this process)
+            raise MeshError(f"handle {label!r} was freed; its values are gone")
+        return _controller_rebuild(id, label)
     if controller and controller != w.address:
         raise MeshError(f"handle {label!r} belongs to another mesh (controller {controller}); "
                         f"this is rank {w.rank} of the mesh of {w.address}")
@@ -180,7 +181,7 @@ def resolve(id: str, ranks: list[int], label: str, controller: str = "") -> Any:
 
 
 # --------------------------------------------------------------- requests
-def handle(worker: Any, c: dict[str, Any]) -> Any:
+def handle(worker: Any, c: Ref) -> Any:
     """Run one ``ref`` request (worker main thread); see the module docstring."""
     op = c.get("op")
     if op == "keep":
@@ -356,6 +357,9 @@ def describe(value: Any, preview: int = 0) -> dict[str, Any]:
             except TypeError:
                 pass
     return d
+
+
+set_result_keeper(keep)  # the results of .rref() calls stay here
 
 
 def group_ranks(dims: dict[str, int], rank: int, over: list[str]) -> list[int]:

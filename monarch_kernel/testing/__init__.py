@@ -4,6 +4,12 @@
 The same helpers are offered as pytest fixtures by :mod:`monarch_kernel.testing.plugin`.
 """
 
-from monarch_kernel.testing.kernel import ExecResult, KernelSession, wait_for, worker_pids
+from monarch_kernel.testing.kernel import (
+    ExecResult,
+    KernelSession,
+    assert_no_workers,
+    wait_for,
+    worker_pids,
+)
 
-__all__ = ["ExecResult", "KernelSession", "wait_for", "worker_pids"]
+__all__ = ["ExecResult", "KernelSession", "assert_no_workers", "wait_for", "worker_pids"]

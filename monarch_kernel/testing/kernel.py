@@ -3,12 +3,16 @@
 :class:`KernelSession` starts the installed ``monarch`` kernelspec with a
 ``KernelManager``, runs code through a blocking client, and collects every
 iopub message of that execution with its arrival time. Every wait has a
-timeout. :func:`worker_pids` lists live worker processes for leak checks.
+timeout. :func:`worker_pids` lists live worker processes for leak checks,
+:func:`assert_no_workers` waits for a controller's workers to be gone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +20,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["ExecResult", "KernelSession", "wait_for", "worker_pids"]
+__all__ = ["ExecResult", "KernelSession", "assert_no_workers", "wait_for", "worker_pids"]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05,
@@ -38,10 +42,30 @@ def worker_pids(parent: int | None = None) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = p.info.get("cmdline") or []
-        if "monarch_kernel.worker.worker" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE:
-            if parent is None or str(parent) in cmd:
-                out.append(p.info["pid"])
+        if ("monarch_kernel.worker.worker" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE
+                and (parent is None or str(parent) in cmd)):
+            out.append(p.info["pid"])
     return out
+
+
+def assert_no_workers(controller_pid: int, timeout: float = 10.0) -> None:
+    """Wait until no worker of ``controller_pid`` is alive.
+
+    Raises
+    ------
+    AssertionError
+        If some are still alive after ``timeout`` seconds; those are killed
+        (SIGKILL) first, so that they do not leak into later tests.
+    """
+    deadline = time.monotonic() + timeout
+    while worker_pids(controller_pid):
+        if time.monotonic() > deadline:
+            left = worker_pids(controller_pid)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"worker processes left behind: {left}")
+        time.sleep(0.05)
 
 
 @dataclass

@@ -3,12 +3,9 @@ started on the same host, carrying their messages instead of ZeroMQ.
 
 Why: a ZeroMQ message crosses two I/O threads (the sender's, which writes
 the TCP socket, and the receiver's, which reads it and wakes the reader),
-so a round trip wakes four threads besides the two that do the work. On a
-2-core VM, in a one-off measurement of Python echo processes, a Unix socket
-pair answered in 30-50 us against 87 us for ZeroMQ DEALER/ROUTER, and a
-broadcast to 4 of them took 30 us against 165 us. The lane writes and reads
-the socket from the thread that sends or leads the I/O, with no thread in
-between. It exists only between a controller and a worker it spawned
+so a round trip wakes four threads besides the two that do the work. The
+lane writes and reads the socket from the thread that sends or leads the
+I/O, with no thread in between (docs/benchmarks.md compares the two). It exists only between a controller and a worker it spawned
 itself (the worker inherits its end, so nothing else can connect to it);
 workers on other hosts, or started by Slurm, keep ZeroMQ. Setting
 ``MONARCH_LANES=0`` turns lanes off.

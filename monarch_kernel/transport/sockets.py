@@ -151,8 +151,8 @@ def drain(sock: zmq.Socket, small: int = 0) -> Iterator[list[Any]]:
 
     The first ``small`` frames of each message come as ``bytes`` (a copy:
     for the few hundred bytes of a routing identity and a signed envelope,
-    pyzmq's ``bytes`` cost about 1.5 us less per message than a
-    ``zmq.Frame``, counting the decoding); the rest as zero-copy
+    pyzmq's ``bytes`` cost less per message than a ``zmq.Frame``, counting
+    the decoding); the rest as zero-copy
     ``zmq.Frame`` objects (the buffers of arrays and tensors).
     """
     while _get(sock, _EVENTS) & _POLLIN:  # no exception per empty read

@@ -22,25 +22,32 @@ that copy, copies it device to device into memory of its own and lets go;
 torch's IPC reference count keeps the sender's copy until then, and its
 event orders the receiver's copy after the sender's). Otherwise it is
 staged through host memory. ``MONARCH_CUDA_IPC=0`` turns the IPC route off.
+torch's reduction is read through :mod:`monarch_kernel.wire.torch_ipc`, which
+knows its layout (another torch's: the tensor is staged, with a warning).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pickle
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import cloudpickle
 
 from monarch_kernel.errors import SerializationError
+from monarch_kernel.util import gpu
+from monarch_kernel.wire import torch_ipc
 
 __all__ = ["PROTOCOL", "Packed", "dumps", "loads"]
+
+log = logging.getLogger("monarch_kernel.wire.serialize")
 
 PROTOCOL = 5
 #: buffers smaller than this are left in-band (a frame costs more than a copy)
@@ -82,8 +89,6 @@ def _target_device(torch: Any, device: str) -> str:
             f"received a tensor that lived on {device!r}, but this process has no such "
             "device; move it to the CPU first (tensor.cpu()) if that is what you want"
         )
-    from monarch_kernel.util import gpu
-
     index = gpu.assigned()  # a rank with its own GPU (--dist nccl): there
     if index is None:
         index = int(device.split(":")[1]) if ":" in device else 0
@@ -114,11 +119,9 @@ def _rebuild_cuda_ipc(args: tuple, device: str, requires_grad: bool):
     try:
         target = _target_device(torch, device)
     except SerializationError:  # no GPU here: still let the sender free its block
-        _release_ipc_reference(args)
+        release_ipc_reference(args)
         raise
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    alias = rebuild_cuda_tensor(*args)  # the sender's memory (waits for its event)
+    alias = torch_ipc.rebuild(args)  # the sender's memory (waits for its event)
     try:
         t = alias.to(target, copy=True)
         # copied before the sender may reuse its block (the copy's streams only: this
@@ -145,26 +148,31 @@ _NUMPY_DTYPES: set[str] = {
 }
 
 
-def _release_ipc_reference(args: tuple) -> None:
+def release_ipc_reference(args: tuple) -> None:
     """Give back the reference a CUDA IPC handle holds on the sender's memory
     without opening it (as ``rebuild_cuda_tensor`` does for a cached handle);
     best effort: only the shared reference-count file is touched."""
-    storage_cls, device, counter, offset = args[4], args[6], args[11], args[12]
     try:
-        storage_cls._release_ipc_counter(counter, offset, device=device)
+        torch_ipc.release(args)
     except Exception:  # noqa: BLE001, S110 - the sender then keeps the block until it exits
         pass
+
+
+_ipc_layout_warned: list[bool] = []
 
 
 def _reduce_cuda_ipc(t: Any) -> tuple | None:
     """The IPC-handle reduction of a CUDA tensor, or None (then it is staged)."""
     try:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         # a copy of its own: the receiver copies when the message arrives, and what the
         # sender does to its tensor meanwhile must not show (the message is a snapshot,
         # as when staged); the copy is freed once the receiver let go of the handle
-        _, args = reduce_tensor(t.detach().clone())
+        args = torch_ipc.reduce(t.detach().clone())
+    except torch_ipc.CudaIpcLayoutError as e:  # another torch: stage it, and say why once
+        if not _ipc_layout_warned:
+            _ipc_layout_warned.append(True)
+            log.warning("CUDA tensors are staged through host memory: %s", e)
+        return None
     except Exception:  # noqa: BLE001 - no IPC for this tensor (or this build): stage it
         return None
     return (_rebuild_cuda_ipc, (args, str(t.device), bool(t.requires_grad)))
@@ -350,7 +358,7 @@ def _plain(obj: Any, depth: int) -> bool:
     return False
 
 
-def loads(payload: bytes | memoryview, buffers: list[Any] = ()) -> Any:
+def loads(payload: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
     """Unpickle what :func:`dumps` produced.
 
     Raises

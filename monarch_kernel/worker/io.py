@@ -51,7 +51,7 @@ from monarch_kernel.wire import protocol
 
 log = logging.getLogger("monarch_kernel.worker.worker")
 
-__all__ = ["MessageRouting", "WorkerHost", "WorkerIO", "exit_now"]
+__all__ = ["MessageRouting", "WorkerHost", "WorkerIO", "exit_process"]
 
 #: the order of sources in a step: hand-offs for the dealer first, then the controller's
 PULL_ORDER, CONTROLLER_ORDER, PEER_ORDER = 0, 1, 2
@@ -68,7 +68,7 @@ def _peer_lead() -> bool:
         return False
 
 
-def exit_now(code: int) -> None:
+def exit_process(code: int) -> None:
     """Leave the process now (no atexit handlers), removing its shared-memory files."""
     from monarch_kernel.wire import shm
 
@@ -167,7 +167,7 @@ class WorkerIO:
     def on_failure(self, error: BaseException) -> None:
         # without this thread the rank is deaf: leave, loudly
         log.error("rank %d: the I/O thread failed; exiting", self.host.rank, exc_info=error)
-        exit_now(1)
+        exit_process(1)
 
     def on_close(self) -> None:
         if self.host.dealer is not None:
@@ -267,7 +267,7 @@ class WorkerIO:
         if lane.eof and not host.stopping.is_set():
             log.warning("rank %d: the controller closed its lane (it is gone); exiting",
                         host.rank)
-            exit_now(0)
+            exit_process(0)
 
     def _on_dealer(self, dealer: zmq.Socket) -> None:
         if self.host.stopping.is_set():
@@ -300,13 +300,13 @@ class WorkerIO:
             self.engine.touched(dealer)
         if not self._controller_alive():
             log.warning("rank %d: the controller process is gone; exiting", host.rank)
-            exit_now(0)
+            exit_process(0)
 
     def _check_silence(self, now: float) -> None:
         if now - self.last_heard > self.host.heartbeat_timeout:
             log.warning("rank %d: no word from the controller for %.1f s; exiting",
                         self.host.rank, now - self.last_heard)
-            exit_now(0)
+            exit_process(0)
 
     def _controller_alive(self) -> bool:
         pid = self.host.controller_pid
@@ -344,6 +344,11 @@ class MessageRouting:
             from monarch_kernel.actor import actor_mesh as actor
 
             actor.dispatch_call(self, msg)
+            return
+        if msg.type == "rank_dead":  # a rank died: calls waiting on it fail (actor.host)
+            from monarch_kernel.actor import host as actor_host
+
+            actor_host.dispatch_rank_dead(self, msg)
             return
         if msg.type == "calls":  # a batch of calls (monarch_kernel.controller.batching): in order
             from monarch_kernel.actor import host as actor_host

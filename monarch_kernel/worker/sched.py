@@ -26,10 +26,8 @@ def batch_scheduling() -> bool:
     EEVDF alike; it still preempts a ``SCHED_IDLE`` task): it gets the core
     when the running task blocks or its slice ends. So a worker woken by a
     broadcast no longer stalls the controller in the middle of sending to
-    the next ranks. A broadcast to 4 workers on 2 cores took 289 us against
-    332 us (medians of 8 alternating rounds; the controller was preempted
-    about once a broadcast before). Where cores are free (a worker per core
-    or GPU) nothing changes.
+    the next ranks, which helps broadcasts where workers outnumber cores.
+    Where cores are free (a worker per core or GPU) nothing changes.
 
     Only an ordinary (``SCHED_OTHER``) process is changed: a policy chosen
     for the kernel on purpose (``chrt``, systemd's ``CPUSchedulingPolicy``),

@@ -33,10 +33,12 @@ A record (the message content) is a plain dict:
                     telemetry costs; see ``benchmarks/telemetry_overhead.py``)
 ==================  ===========================================================
 
-Cost. Everything but USS comes from ``/proc/<pid>/stat`` and ``status``
-(through psutil, ~50 us a sample). USS needs ``/proc/<pid>/smaps_rollup``,
-which walks the page tables: ~2.5-4 ms for a process that imported torch, so
-it is read only every ``uss_every`` (10) seconds, whatever the interval. NVML calls take tens of
+Cost. Everything comes through psutil. All but USS is read from
+``/proc/<pid>/stat`` and ``status``. USS (``memory_full_info``) needs
+``/proc/<pid>/smaps_rollup``, which walks the page tables (costly for a process
+with many mappings, e.g. one that imported torch), so it is read only every
+``uss_every`` (10) seconds, whatever the interval; where it may not be read
+(``AccessDenied``) or does not exist, ``uss`` is None. NVML calls take tens of
 microseconds. torch is never imported here: its CUDA figures are read only
 when the worker's own code already imported torch and initialized CUDA.
 
@@ -302,29 +304,6 @@ class GpuProbe:
 
 
 # ------------------------------------------------------------------- sampler
-def _read_uss(pid: int) -> int | None:
-    """Unique set size in bytes (Private_Clean + Private_Dirty + Private_Hugetlb of
-    ``/proc/<pid>/smaps_rollup``), psutil's ``memory_full_info().uss`` elsewhere."""
-    path = f"/proc/{pid}/smaps_rollup"
-    if os.path.exists(path):
-        try:
-            total = 0
-            with open(path, "rb") as f:
-                for line in f:
-                    if line.startswith((b"Private_Clean:", b"Private_Dirty:",
-                                        b"Private_Hugetlb:")):
-                        total += int(line.split()[1]) * 1024
-            return total
-        except (OSError, ValueError):
-            return None
-    try:
-        import psutil
-
-        return int(psutil.Process(pid).memory_full_info().uss)
-    except Exception:  # noqa: BLE001 - not every platform has it
-        return None
-
-
 class Sampler:
     """Takes telemetry records of one process (see the module docstring).
 
@@ -358,6 +337,19 @@ class Sampler:
         t = self.proc.cpu_times()
         return t.user + t.system
 
+    def _read_uss(self) -> int | None:
+        """Unique set size in bytes: psutil's ``memory_full_info().uss`` (on Linux
+        Private_Clean + Private_Dirty + Private_Hugetlb of ``/proc/<pid>/smaps_rollup``).
+
+        None where it cannot be had: the platform has no such figure, reading it is
+        not permitted (another user's process: ``psutil.AccessDenied``), or the
+        process is gone. Never raises.
+        """
+        try:
+            return int(self.proc.memory_full_info().uss)
+        except Exception:  # noqa: BLE001 - AccessDenied, NoSuchProcess, no USS here: no figure
+            return None
+
     @property
     def gpu(self) -> GpuProbe | None:
         if self._gpu is None and self._want_gpu:
@@ -382,7 +374,7 @@ class Sampler:
         self._last_cpu, self._last_t = cpu_s, now
         if self.uss_every and now - self._uss_at >= self.uss_every:
             self._uss_at = now
-            self._uss = _read_uss(self.pid)
+            self._uss = self._read_uss()
         probe = self.gpu
         rec: dict[str, Any] = {
             "activity": current_activity() if self.pid == os.getpid() else "",

@@ -49,12 +49,12 @@ from monarch_kernel.worker import telemetry
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.worker.capture import FdCapture
 from monarch_kernel.mesh.dist_setup import init_rank
-from monarch_kernel.errors import RemoteError, SerializationError, _ranks_label
+from monarch_kernel.errors import RemoteError, SerializationError, ranks_label
 from monarch_kernel.transport.lane import Lane
 from monarch_kernel.worker.sched import batch_scheduling
 from monarch_kernel.wire.serialize import cuda_ipc, reply_content
 from monarch_kernel.transport.sockets import Outbox, connect_dealer, inproc_pair, send_frames
-from monarch_kernel.worker.io import MessageRouting, WorkerIO, exit_now
+from monarch_kernel.worker.io import MessageRouting, WorkerIO, exit_process
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 log = logging.getLogger("monarch_kernel.worker.worker")
@@ -382,7 +382,7 @@ class Worker(MessageRouting):
             for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
                 who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
                 text += (f"\n{'which came from' if i == 0 else 'and from'} "
-                         f"{_ranks_label(getattr(part, 'ranks', []))}{who}:\n"
+                         f"{ranks_label(getattr(part, 'ranks', []))}{who}:\n"
                          + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
         exc: BaseException | None = e
         try:
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     display.install()
     code = w.serve()
     w.shutdown()
-    exit_now(code)
+    exit_process(code)
 
 
 if __name__ == "__main__":
