@@ -261,7 +261,7 @@ class Worker(MessageRouting):
         while True:
             try:
                 if not self.actors and self.requests.empty():
-                    # no actor: this thread reads the next request itself (worker_io)
+                    # no actor: this thread reads the next request itself (worker.io)
                     self.lead_until(self.requests, actors=0)
                 msg = self.requests.get()
             except KeyboardInterrupt:  # an interrupt that arrived while idle
