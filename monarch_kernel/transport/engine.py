@@ -711,10 +711,14 @@ class Engine:
             with self._pending_lock:
                 pending, self._pending = self._pending, []
             for add, source, how in pending:
-                if add:
-                    self._add_now(source, how)  # type: ignore[arg-type]
-                else:
-                    self._remove_now(source)
+                try:
+                    if add:
+                        self._add_now(source, how)  # type: ignore[arg-type]
+                    else:
+                        self._remove_now(source)
+                except (OSError, ValueError) as e:  # (closed before it could be watched)
+                    self._sources.pop(source, None)
+                    log.debug("%s: cannot watch %r: %s", self.settings.name, source, e)
         if poller is not self._last_poller:  # (the other may have taken a socket's signal)
             self._last_poller = poller
             for sock in self._socks:

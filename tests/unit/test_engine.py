@@ -302,3 +302,37 @@ def test_a_contended_yield_turns_the_spin_off(made, pair, monkeypatch) -> None:
     monkeypatch.setattr(engine_mod, "_yield", lambda: time.sleep(engine_mod.CONTENDED_S * 2))
     assert e.spin(0.05) is False
     assert e.spin_contended == 1 and e.spin_off_until > time.monotonic()
+
+
+def test_shared_fds_are_read_by_followers_only(made, pair) -> None:
+    e, _ = made(follower_poller=True, max_gap_s=None, idle_ms=20)
+    if e.follower_poller is None:
+        pytest.skip("no EPOLLEXCLUSIVE here")
+    a, b = pair
+    readers: list[str] = []
+    assert e.add(a.fileno(), lambda fd: readers.append(
+        threading.current_thread().name) if a.recv(100) else None, shared=True)
+    e.start()
+    b.send(b"1")
+    _steps(e, 3)  # (the I/O thread's poller does not watch it)
+    assert readers == []
+    assert e.lead(lambda: bool(readers), time.monotonic() + TIMEOUT) is True
+    assert readers == [threading.current_thread().name]
+    e.remove(a.fileno())  # (any thread, at once)
+    b.send(b"2")
+    assert e.lead(lambda: False, time.monotonic() + 0.05) is False
+    assert len(readers) == 1
+
+
+def test_a_source_closed_before_it_is_watched_is_dropped(made) -> None:
+    import socket as socket_mod
+
+    e, user = made(idle_ms=10_000)
+    e.start()
+    a, b = socket_mod.socketpair()
+    fd = a.fileno()
+    a.close()  # (before the leader's next step registers it)
+    e.add(fd, lambda fd: None)
+    b.close()
+    _steps(e, 2)
+    assert e.thread.is_alive() and not user.failures
