@@ -588,7 +588,7 @@ class Controller:
                 self._on_reply(info, parent, status, value)
             return
         if t == "stream":
-            self._drain_pipes(rank)  # what it wrote to its fds before comes first
+            self.output.drain(rank)  # what it wrote to its fds before comes first
             c = msg.content
             self.output.deliver(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
             return
