@@ -59,6 +59,9 @@ from monarch_kernel.wire.messages import (ACTOR, METHOD, ONEWAY, UID, ActorError
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
+#: ``_lane_to``'s answer for a peer not dialled yet (None: dialled, no lane to be had)
+_NOT_DIALLED: Any = object()
+
 _host: PeerHost | None = None
 _host_lock = threading.Lock()
 _hosts: weakref.WeakSet[PeerHost] = weakref.WeakSet()  # (for the fork hook)
@@ -276,8 +279,8 @@ class PeerHost:
         peer lane where one can be had, else through the I/O thread's DEALER.
         A message to a peer that is gone is dropped (its callers learn of the
         death from the controller, :meth:`fail_rank`)."""
-        lane = self._lane_to.get(address, False)
-        if lane is False:
+        lane = self._lane_to.get(address, _NOT_DIALLED)
+        if lane is _NOT_DIALLED:
             lane = self._connect(address)
         if lane is None:
             self.io.to_io([b"d", address.encode(), *frames])
@@ -314,8 +317,8 @@ class PeerHost:
                 and address_host(address) == address_host(self.address)):
             lane = peer_lanes.dial(name, f"peer lane to {address}", self.lane_limit())
         with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
-            kept = self._lane_to.get(address, False)
-            if kept is False:
+            kept = self._lane_to.get(address, _NOT_DIALLED)
+            if kept is _NOT_DIALLED:
                 self._lane_to[address] = kept = lane
                 if lane is not None:
                     self._new_lanes.append(lane)

@@ -335,8 +335,12 @@ class Controller:
         req = Request(mid, ranks)
         req.waiter = self.wait_for
         if names:  # remove the shared-memory files once every rank answered
-            req.add_done_callback(lambda r, names=names: self.codec.release_shm(
-                names, discard=r.failure is not None))
+            codec = self.codec
+
+            def release(r: Request) -> None:
+                codec.release_shm(names, discard=r.failure is not None)
+
+            req.add_done_callback(release)
         # Ctrl-C waits until it is registered and sent (registered only, it would hang)
         with DeferredSigint():
             try:
