@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Static checks of the package: the import contracts of pyproject.toml
+# Static checks of the package: the import contracts of pyproject.toml, mypy, ruff
 # ([tool.importlinter]: layers, no cycles, who may import ipykernel / ipywidgets),
 # then the types ([tool.mypy]: any error fails). Exits non-zero when a check fails.
 # Usage: scripts/check.sh   (VENV=DIR: the virtual environment to use, default .venv,
@@ -7,7 +7,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$root/.venv}"
-for tool in lint-imports mypy; do
+for tool in lint-imports mypy ruff; do
     if [ ! -x "$venv/bin/$tool" ]; then
         echo "no $venv/bin/$tool: pip install -e '.[lint]' (or set VENV)" >&2
         exit 2
@@ -31,4 +31,6 @@ fi
 
 # Types: the modules and settings are in [tool.mypy] of pyproject.toml.
 "$venv/bin/mypy" || status=1
+# Lint: the rule set of [tool.ruff.lint] in pyproject.toml.
+"$venv/bin/ruff" check . || status=1
 exit $status

@@ -45,17 +45,26 @@ import zmq
 
 from monarch_kernel.actor import mesh_keys
 from monarch_kernel.actor.mesh_keys import check_known
-from monarch_kernel.worker import handlers
-from monarch_kernel.transport import peer_lanes
-from monarch_kernel.transport import lane as _lane
-from monarch_kernel.wire import shm as _shm
+from monarch_kernel.actor.peer_io import PeerIO
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.errors import MeshFailure, ProtocolError, SerializationError, TransportError
-from monarch_kernel.actor.peer_io import PeerIO
+from monarch_kernel.transport import lane as _lane
+from monarch_kernel.transport import peer_lanes
 from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
+from monarch_kernel.wire import shm as _shm
+from monarch_kernel.wire.messages import (
+    ACTOR,
+    METHOD,
+    ONEWAY,
+    UID,
+    ActorErrorEvent,
+    Buffer,
+    Call,
+    Failure,
+    Reply,
+)
 from monarch_kernel.wire.serialize import Packed, reply_content
-from monarch_kernel.wire.messages import (ACTOR, METHOD, ONEWAY, UID, ActorErrorEvent, Buffer,
-                                          Call, Failure, Reply)
+from monarch_kernel.worker import handlers
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 

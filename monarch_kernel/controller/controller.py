@@ -37,21 +37,25 @@ from typing import Any
 import zmq
 
 from monarch_kernel.controller import batching
-from monarch_kernel.wire import protocol
-from monarch_kernel.wire import shm
 from monarch_kernel.controller.batching import Batcher
 from monarch_kernel.controller.io import ControllerIO, spin_seconds
 from monarch_kernel.controller.output_pipes import RankOutput
-from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
-from monarch_kernel.transport.lane import prepare as lane_prepare
 from monarch_kernel.controller.request import RankInfo, Request
-from monarch_kernel.wire.serialize import cuda_ipc
+from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
+from monarch_kernel.transport.engine import Engine
+from monarch_kernel.transport.lane import prepare as lane_prepare
+from monarch_kernel.transport.sockets import (
+    Outbox,
+    bind_router,
+    inproc_pair,
+    is_loopback,
+    send_frames,
+)
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
-from monarch_kernel.transport.engine import Engine
-from monarch_kernel.transport.sockets import (Outbox, bind_router, inproc_pair, is_loopback,
-                                              send_frames)
+from monarch_kernel.wire import protocol, shm
+from monarch_kernel.wire.serialize import cuda_ipc
 
 log = logging.getLogger("monarch_kernel.controller.controller")
 

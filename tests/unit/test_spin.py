@@ -17,10 +17,10 @@ import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, endpoint
-from monarch_kernel.transport import engine as engine_mod
-from monarch_kernel.transport.engine import MAX_MISSES, SPIN_US, spin_seconds
 from monarch_kernel.mesh.procmesh import spawn_procs
 from monarch_kernel.testing.kernel import wait_for, worker_pids
+from monarch_kernel.transport import engine as engine_mod
+from monarch_kernel.transport.engine import MAX_MISSES, SPIN_US, spin_seconds
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
 
