@@ -1,4 +1,4 @@
-"""Issue 3 through the real kernel: actors defined in notebook cells, ``await`` in a cell,
+"""Through the real kernel: actors defined in notebook cells, ``await`` in a cell,
 the actor demo script, and notebooks/02_actors.ipynb under nbclient."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 9: awkward values and output, through the real kernel.
+"""Awkward values and output, through the real kernel.
 
 * Values that cannot be pickled (a lock, a generator, an open file) as a
   cell's result or pulled with ``%mesh pull``: one error that names the

@@ -1,4 +1,4 @@
-"""Issue 5 end to end: remote breakpoints driven from the notebook's own prompt.
+"""End to end: remote breakpoints driven from the notebook's own prompt.
 
 A real monarch kernel with a 4-rank local mesh; a client that answers the
 kernel's ``input_request`` messages (``(Pdb rank R)``, ``(mesh-debug)``)

@@ -1,4 +1,4 @@
-"""Issue 6: failures are fast, clear and recoverable; nothing hangs or leaks."""
+"""Failures are fast, clear and recoverable; nothing hangs or leaks."""
 
 from __future__ import annotations
 

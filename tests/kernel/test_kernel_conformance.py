@@ -1,4 +1,4 @@
-"""Issue 9: the ``jupyter_kernel_test`` conformance suite against the monarch kernel.
+"""The ``jupyter_kernel_test`` conformance suite against the monarch kernel.
 
 :class:`MonarchKernelTests` runs every test of ``jupyter_kernel_test.KernelTests``
 (kernel_info, execute with stdout and stderr, errors, execute_result,

@@ -1,4 +1,4 @@
-"""Issue 2 end to end: the real monarch kernel driving a local mesh."""
+"""End to end: the real monarch kernel driving a local mesh."""
 
 from __future__ import annotations
 

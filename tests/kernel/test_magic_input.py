@@ -1,4 +1,4 @@
-"""Issue 9: bad input to the magics, through the real kernel.
+"""Bad input to the magics, through the real kernel.
 
 Each bad line gives a ``UsageError`` whose message is ONE line (no
 traceback, no usage dump) that says what to do, and the kernel stays usable:

@@ -1,4 +1,4 @@
-"""What an eavesdropper or another local user could get at (issue 9).
+"""What an eavesdropper or another local user could get at.
 
 Mesh keys are random per mesh and never in a command line; key files,
 shared-memory files and the kernel's connection file are 0600; sockets bind
@@ -102,7 +102,7 @@ def test_ports_bind_loopback_by_default(mesh):
                 assert c.laddr.ip == "127.0.0.1", c
 
 
-# --------------------------------------- beyond loopback: CurveZMQ (issue 9, lead's feature)
+# --------------------------------------- beyond loopback: CurveZMQ
 class LoopbackSniffer:
     """Records the TCP payload bytes of one port seen on the ``lo`` interface
     (an AF_PACKET socket: needs root). Traffic between two addresses of this

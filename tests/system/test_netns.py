@@ -1,4 +1,4 @@
-"""Issue 7: a mesh across a real network link (two network namespaces, one veth pair).
+"""A mesh across a real network link (two network namespaces, one veth pair).
 
 The controller runs in namespace ``ns1`` bound to 10.231.7.1; its workers run
 in namespace ``ns2`` (10.231.7.2), started by ``tests/system/netns_helpers.py``'s
@@ -163,7 +163,7 @@ def script_run(tmp_path_factory):
 def test_cell_crosses_the_veth_link(script_run):
     pair, res, cp = script_run
     assert res["address"].startswith(f"tcp://{pair.addr1}:")
-    # beyond loopback: encrypted (CurveZMQ, issue 9) or a warning that it is not
+    # beyond loopback: encrypted (CurveZMQ) or a warning that it is not
     assert res["encrypted"] or "NOT encrypted" in cp.stderr
     ranks = [c[0] for c in res["cell"]]
     assert ranks == [0, 1]

@@ -1,4 +1,4 @@
-"""Issue 7: meshes through a real Slurm (a one-node cluster on this host).
+"""Meshes through a real Slurm (a one-node cluster on this host).
 
 The cluster is the one ``.ci/run`` started (``SLURM_CONF`` set), or one these
 tests start with ``scripts/slurm_ci.sh start`` and stop afterwards. They skip,

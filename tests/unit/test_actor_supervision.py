@@ -1,4 +1,4 @@
-"""Issue 6: actors that spawn meshes supervise them with ``__supervise__``."""
+"""Actors that spawn meshes supervise them with ``__supervise__``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3: actor meshes driven from this test process (the test is the controller)."""
+"""Actor meshes driven from this test process (the test is the controller)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """RDMABuffer: a rank registers a tensor, others read and write it directly
-(issue 8, the data plane). Real worker processes, real peer sockets, real
+(the data plane). Real worker processes, real peer sockets, real
 shared memory; CUDA routes are in tests/system/test_gpu.py."""
 
 from __future__ import annotations

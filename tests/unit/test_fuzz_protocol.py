@@ -1,4 +1,4 @@
-"""Issue 9: property-based fuzzing of the message decoder (hypothesis).
+"""Property-based fuzzing of the message decoder (hypothesis).
 
 Whatever frames arrive, :meth:`Codec.decode` returns a :class:`Message` or
 raises :class:`ProtocolError`: never another exception, never a hang (each

@@ -202,7 +202,7 @@ def test_a_flood_of_calls_to_an_actor_holding_the_gil_is_all_answered(caller):
     # Thousands of calls came while the callee's thread held the GIL: whoever read
     # them queued a wake-up for the actor's thread per call. Wake-ups blocked once
     # the worker's wake pipe was full (2,000), in the very thread that would read
-    # them: the worker hung for good, deaf to its controller (helper-37's finding).
+    # them: the worker hung for good, deaf to its controller.
     calls, hog = 6000, 30_000_000
     procs = spawn_procs(2, telemetry_interval=0)
     try:

@@ -1,4 +1,4 @@
-"""Issue 7: reading Slurm's output across versions, and what the launcher submits.
+"""Reading Slurm's output across versions, and what the launcher submits.
 
 No Slurm needed: the parsers get recorded output shapes of Slurm 22.05
 (JSON and columns) and the JSON shape of 23.x/24.x; the submission is

@@ -5,7 +5,7 @@ claims to be a rank (forged, unsigned, oversized or replayed replies and
 output; a connection that takes a rank's routing identity), and a worker's
 **peer socket** (the ROUTER actors call each other through). Each bad message
 must be dropped with a warning, reach nobody and run nothing, and the target
-must still serve good requests (issue 9).
+must still serve good requests.
 """
 
 from __future__ import annotations

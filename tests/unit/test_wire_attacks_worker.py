@@ -7,7 +7,7 @@ whose pickle when unpickled, would create a marker file. After each attack
 the marker must be absent, a warning must have been logged ("dropped a
 message") and the worker must still serve a good request. The controller's
 and the peer sockets: ``test_wire_attacks_mesh.py``; keys, file modes and
-encryption: ``test_wire_attacks_secrets.py`` (issue 9).
+encryption: ``test_wire_attacks_secrets.py``.
 """
 
 from __future__ import annotations
