@@ -105,10 +105,10 @@ def measure(n: int, calls: int = 2000, block: int = 100) -> dict[str, Any]:
         for _ in range(max(1, calls // block)):
             for k, fn in fns.items():
                 ctl.spin_s = 0.0 if k[1] == "call_nospin" else spin
-                ctl._spin_off_until = 0.0  # (each block starts with the spin as set)
+                ctl.engine.spin_off_until = 0.0  # (each block starts with the spin as set)
                 lat[k] += latencies_us(fn, block, warmup=3)
             ctl.spin_s = spin
-            ctl._spin_off_until = 0.0
+            ctl.engine.spin_off_until = 0.0
             for k, timed in idle.items():
                 lat[k] += [timed() for _ in range(max(1, block // 4))]
         ctl.spin_s = spin

@@ -59,6 +59,9 @@ from monarch_kernel.wire.messages import (ACTOR, METHOD, ONEWAY, UID, ActorError
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
+#: ``_lane_to``'s answer for a peer not dialled yet (None: dialled, no lane to be had)
+_NOT_DIALLED: Any = object()
+
 _host: PeerHost | None = None
 _host_lock = threading.Lock()
 _hosts: weakref.WeakSet[PeerHost] = weakref.WeakSet()  # (for the fork hook)
@@ -122,9 +125,9 @@ def _bind_host(controller_address: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-class PeerHost(PeerIO):
+class PeerHost:
     """A worker's peer-to-peer endpoint for actor calls (see module docstring;
-    its I/O thread's half: :class:`~monarch_kernel.actor.peer_io.PeerIO`).
+    its I/O, :attr:`io`: :class:`~monarch_kernel.actor.peer_io.PeerIO`).
 
     Attributes
     ----------
@@ -174,18 +177,14 @@ class PeerHost(PeerIO):
         self._codecs: dict[str, Any] = {}
         self._codec_of_addr: dict[str, Any] = {}
         self._lane_addrs: dict[_lane.Lane, str] = {}  # lanes this worker made -> address
-        self._listen_paused = 0.0  # (monotonic s) the listener is unwatched until then
         self._accepted: dict[bytes, _lane.Lane] = {}
         self._new_lanes: list[_lane.Lane] = []
-        self._dead_lanes: list[_lane.Lane] = []  # lanes to ranks declared dead: to close
-        #: lanes the worker's leading thread watches too (fd -> lane; see _watch)
-        self._shared: dict[int, _lane.Lane] = {}
         self._lanes_lock = threading.Lock()
         self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
-        self._io_state: tuple | None = None  # the I/O thread's sockets, poller, lanes
-        self._lanes_due = False  # the I/O thread owes itself an "n" (see _to_io)
-        self._thread = threading.Thread(target=self._loop, name="monarch-peer", daemon=True)
-        self._thread.start()
+        #: the I/O: the peer thread, sockets and lanes (monarch_kernel.actor.peer_io)
+        self.io = PeerIO(self)
+        self._thread = self.io.thread
+        self.io.start()
         _hosts.add(self)
 
     def request(self, ranks: list[int], peers: dict[int, str], content: Call | Buffer,
@@ -230,7 +229,7 @@ class PeerHost(PeerIO):
                 self.pending[mid] = req
         for r in ranks:
             self.send_to(peers[r], frames)
-        if req is not None and self._worker_poller() is not None and all(
+        if req is not None and self.io.worker_poller() is not None and all(
                 self._lane_to.get(peers[r]) for r in ranks):
             # the replies come on lanes: the caller's thread may read them itself while
             # it waits (worker_io.lead_wait), woken if another thread read them first
@@ -280,11 +279,11 @@ class PeerHost(PeerIO):
         peer lane where one can be had, else through the I/O thread's DEALER.
         A message to a peer that is gone is dropped (its callers learn of the
         death from the controller, :meth:`fail_rank`)."""
-        lane = self._lane_to.get(address, False)
-        if lane is False:
+        lane = self._lane_to.get(address, _NOT_DIALLED)
+        if lane is _NOT_DIALLED:
             lane = self._connect(address)
         if lane is None:
-            self._to_io([b"d", address.encode(), *frames])
+            self.io.to_io([b"d", address.encode(), *frames])
             return
         try:
             lane.send(frames)
@@ -304,7 +303,7 @@ class PeerHost(PeerIO):
                 except TransportError:  # the caller is gone: nobody waits for this
                     pass
             return
-        self._to_io([b"r", *route, *frames])
+        self.io.to_io([b"r", *route, *frames])
 
     def _connect(self, address: str) -> _lane.Lane | None:
         """The peer lane to ``address``, made now if it can be; None (kept, so
@@ -316,10 +315,10 @@ class PeerHost(PeerIO):
         lane = None
         if (name and self.listener is not None
                 and address_host(address) == address_host(self.address)):
-            lane = peer_lanes.dial(name, f"peer lane to {address}", self._limit())
+            lane = peer_lanes.dial(name, f"peer lane to {address}", self.lane_limit())
         with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
-            kept = self._lane_to.get(address, False)
-            if kept is False:
+            kept = self._lane_to.get(address, _NOT_DIALLED)
+            if kept is _NOT_DIALLED:
                 self._lane_to[address] = kept = lane
                 if lane is not None:
                     self._new_lanes.append(lane)
@@ -327,10 +326,10 @@ class PeerHost(PeerIO):
         if kept is not lane and lane is not None:
             lane.close()
         elif lane is not None:
-            self._to_io([b"n"])  # the I/O thread watches it from now on
+            self.io.to_io([b"n"])  # the I/O thread watches it from now on
         return kept
 
-    def _limit(self) -> int:
+    def lane_limit(self) -> int:
         """The largest message a peer lane takes (bytes): what the codec takes,
         and room for the framing of a message of many buffers."""
         return self.codec.max_header + self.codec.max_buffers + (1 << 20)
@@ -347,7 +346,7 @@ class PeerHost(PeerIO):
             self._codec_of_addr.pop(address, None)
         lane = self._lane_to.get(address) if address else None
         if lane is not None:  # (a hung process's lane: closed by the I/O thread)
-            self._close_later(lane)
+            self.io.close_later(lane)
         with self._lock:
             if address:
                 self.dead[address] = failure
@@ -358,7 +357,8 @@ class PeerHost(PeerIO):
         for q in waiting:
             q._fail(failure)
 
-    def _incoming(self, frames: list[Any], lane: bytes | None = None) -> None:
+    def incoming(self, frames: list[Any], lane: bytes | None = None) -> None:
+        """Handle a message from a peer: by the ROUTER, or on the lane ``lane``."""
         try:
             if lane is None:
                 msg = self.codec.decode(frames, router=True)
@@ -380,7 +380,8 @@ class PeerHost(PeerIO):
         else:
             inst.deliver(msg.id, c, msg.identity)
 
-    def _reply(self, frames: list[Any], codec: Any = None) -> None:
+    def reply(self, frames: list[Any], codec: Any = None) -> None:
+        """Handle a reply from a peer (checked with ``codec``, or this host's)."""
         try:
             msg = (codec or self.codec).decode(frames)
         except ProtocolError as e:
@@ -520,11 +521,4 @@ def _on_keys(worker: Any, msg: Any) -> None:
     mesh_keys.pass_down(c)  # to meshes this worker spawned, if any
 
 
-def _read_shared(fd: int) -> bool:
-    """A peer lane the worker's leading thread found ready (see PeerIO.read_shared)."""
-    host = _host
-    return host is not None and host.read_shared(fd)
-
-
 handlers.register_io("keys", _on_keys)
-handlers.register_fd_reader(_read_shared)

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
+from monarch_kernel.controller.request import RankInfo, Request
 from monarch_kernel.errors import MeshFailure, TransportError
-from monarch_kernel.controller.request import Request
+from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.wire.messages import KEEP, ONEWAY, PAYLOAD
 
-__all__ = ["HOLD_S", "MAX_CALLS", "MIN_PENDING", "Batches", "BatchingIO", "may_hold"]
+__all__ = ["HOLD_S", "MAX_CALLS", "MIN_PENDING", "BatchHost", "Batcher", "Batches", "may_hold"]
 
 #: unanswered requests (all ranks) before calls start to wait for a batch
 MIN_PENDING = 8
@@ -105,61 +106,95 @@ def may_hold(type: str, ranks: list[int], content: Any, pending: int) -> bool:
     return p is not None and not p.buffers and len(p.payload) <= MAX_PAYLOAD
 
 
-class BatchingIO:
-    """The controller's side of batching: a mixin of
-    :class:`~monarch_kernel.controller.controller.Controller` (uses its registry, codec,
-    locks and ``_send_to``)."""
+class BatchHost(Protocol):
+    """What a :class:`Batcher` uses of its controller."""
 
-    def _held_request(self, mid: str, rank: int, content: Any) -> Request:
-        """A call that waits in a batch for ``rank`` (see monarch_kernel.controller.batching)."""
+    ranks: dict[int, RankInfo]
+    pending: dict[str, Request]
+    codec: Any
+    lock: threading.RLock
+
+    def register(self, req: Request) -> None:
+        """Record ``req`` as pending (raises MeshFailure for a dead rank)."""
+        ...
+
+    def send_to(self, ranks: list[int], frames: list[Any]) -> None:
+        """Send ``frames`` to ``ranks`` now (raises TransportError)."""
+        ...
+
+    def wait_for(self, event: Flag | threading.Event, timeout: float | None = None) -> bool:
+        """Wait for ``event`` doing the controller's I/O."""
+        ...
+
+    def nudge_io(self) -> None:
+        """Have the controller's I/O thread take a turn soon (any thread)."""
+        ...
+
+
+class Batcher:
+    """The controller's side of batching: holds calls in :attr:`batches` and
+    sends them (see the module docstring).
+
+    Parameters
+    ----------
+    host : BatchHost
+        The controller.
+    batches : Batches
+        The per-rank buffers (the controller's ``batches``).
+    """
+
+    def __init__(self, host: BatchHost, batches: Batches) -> None:
+        self.host = host
+        self.batches = batches
+
+    def held_request(self, mid: str, rank: int, content: Any) -> Request:
+        """A call that waits in a batch for ``rank`` (see the module docstring)."""
+        host = self.host
         req = Request(mid, [rank])
-        req.waiter = self.wait_for
+        req.waiter = host.wait_for
         b = self.batches
         # Ctrl-C waits until the call is both registered and held: a request registered
         # but never sent would wait forever, keep the rank busy and take its output
         with DeferredSigint():
-            self._register(req)
+            host.register(req)
             with b.lock:
                 n = b.hold(rank, mid, content)
                 if n >= MAX_CALLS:  # full: it leaves now
-                    self._send_batch(rank, b.take(rank))
+                    self.send_batch(rank, b.take(rank))
             if n == 1:  # a new batch: the I/O thread sends it within HOLD_S at the latest
-                self._resume.set()
-                try:
-                    self.outbox.try_send([b""])  # (out of a poll, if it leads)
-                except TransportError:
-                    pass
+                host.nudge_io()
         return req
 
-    def _send_batch(self, rank: int, calls: list[tuple[str, Any]]) -> None:
+    def send_batch(self, rank: int, calls: list[tuple[str, Any]]) -> None:
         """Send held calls as one ``calls`` message (``batches.lock`` held); their
         requests fail if the rank cannot be reached."""
-        info = self.ranks.get(rank)
+        host = self.host
+        info = host.ranks.get(rank)
         if info is None or info.state in ("dead", "stopped"):
             return  # (a dead rank's requests failed already)
-        with self._lock:  # only calls still waited for (not failed by a death meanwhile)
+        with host.lock:  # only calls still waited for (not failed by a death meanwhile)
             calls = [(m, c) for m, c in calls
-                     if (q := self.pending.get(m)) is not None and q.failure is None]
+                     if (q := host.pending.get(m)) is not None and q.failure is None]
         if not calls:
             return
         try:
             if len(calls) == 1:
                 mid, content = calls[0]
-                frames = self.codec.encode("call", content, id=mid)
+                frames = host.codec.encode("call", content, id=mid)
             else:
-                frames = self.codec.encode("calls", calls)
-            self._send_to([rank], frames)
+                frames = host.codec.encode("calls", calls)
+            host.send_to([rank], frames)
             if len(calls) > 1:
                 self.batches.calls_batched += len(calls)
         except TransportError as e:
             failure = MeshFailure(f"cannot reach the mesh: {e}", rank=rank)
             for mid, _ in calls:
-                with self._lock:
-                    req = self.pending.pop(mid, None)
+                with host.lock:
+                    req = host.pending.pop(mid, None)
                 if req is not None:
                     req._fail(failure)
 
-    def flush_batches(self, stale_only: bool = False) -> None:
+    def flush(self, stale_only: bool = False) -> None:
         """Send the held calls now (``stale_only``: those held for HOLD_S)."""
         b = self.batches
         if not b:
@@ -169,4 +204,4 @@ class BatchingIO:
             # of a failed batch sends to a rank finds the calls held for it before
             for rank in b.held_ranks(time.monotonic() if stale_only else None):
                 if b.holds(rank):
-                    self._send_batch(rank, b.take(rank))
+                    self.send_batch(rank, b.take(rank))

@@ -28,8 +28,6 @@ thread that leads, outside the controller's lock; they must not block.
 from __future__ import annotations
 
 import logging
-import os
-import select
 import sys
 import threading
 import time
@@ -41,17 +39,19 @@ import zmq
 from monarch_kernel.controller import batching
 from monarch_kernel.wire import protocol
 from monarch_kernel.wire import shm
-from monarch_kernel.controller.batching import BatchingIO
+from monarch_kernel.controller.batching import Batcher
 from monarch_kernel.controller.io import ControllerIO, spin_seconds
 from monarch_kernel.controller.output_pipes import RankOutput
 from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
-from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.lane import prepare as lane_prepare
-from monarch_kernel.controller.request import RankInfo, Request, _Pipe
+from monarch_kernel.controller.request import RankInfo, Request
 from monarch_kernel.wire.serialize import cuda_ipc
+from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
-from monarch_kernel.transport.sockets import FdPoller, Outbox, bind_router, inproc_pair, is_loopback, send_frames
+from monarch_kernel.transport.engine import Engine
+from monarch_kernel.transport.sockets import (Outbox, bind_router, inproc_pair, is_loopback,
+                                              send_frames)
 
 log = logging.getLogger("monarch_kernel.controller.controller")
 
@@ -68,8 +68,13 @@ SWEEP_AFTER_DEATH_S = (0.0, 11.0)
 SWEEP_MIN_AGE_S = 10.0
 
 
-class Controller(ControllerIO, BatchingIO, RankOutput):
+class Controller:
     """Owns the ROUTER socket of one mesh and routes its messages.
+
+    Its parts: :attr:`io` (:class:`~monarch_kernel.controller.io.ControllerIO`,
+    on the I/O engine :attr:`engine`), :attr:`output` (the output pipes of
+    local workers, :class:`~monarch_kernel.controller.output_pipes.RankOutput`)
+    and :attr:`batcher` (:class:`~monarch_kernel.controller.batching.Batcher`).
 
     Parameters
     ----------
@@ -104,23 +109,11 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         key: bytes | None = None,
         encrypt: bool | None = None,
     ) -> None:
-        #: seconds a waiting caller looks for its reply before it sleeps (controller_io)
-        self.spin_s = spin_seconds()
+        spin_s = spin_seconds()
         #: local workers talk to this controller through lanes (monarch_kernel.transport.lane)
         self.use_lanes = lanes_enabled()
         peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
         sched_batch_enabled()
-        self._lanes: dict[int, Lane] = {}  # fd -> lane (the thread that leads only)
-        self._lane_of: dict[int, Lane] = {}  # rank -> its current lane
-        self._new_lanes: list[Lane] = []
-        self._lane_poll = select.poll()  # the lanes' fds, for the spin (controller_io)
-        self._spin_next = True  # sent, or read on the ROUTER or a lane, since the last spin
-        self._spin_misses = 0  # spins in a row that found nothing (controller_io)
-        self._spin_off_until = 0.0  # a contended core turned the spin off (controller_io)
-        #: how many times a contended core turned the spin off (controller_io)
-        self.spin_contended = 0
-        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         self.codec.pool = shm.Pool()
@@ -153,34 +146,91 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         self.pending: dict[str, Request] = {}
         #: small pipelined calls held to leave together (see monarch_kernel.controller.batching)
         self.batches = batching.Batches()
+        self.batcher = Batcher(self, self.batches)
         self._lock = threading.RLock()
+        #: the registry's lock (ranks, pending)
+        self.lock = self._lock
         self._hello = threading.Condition(self._lock)
         self._closed = threading.Event()
         self.poll_exits: Callable[[], dict[int, int]] | None = None  # set by the launcher
         self.leftover_output: Callable[[int], list[tuple[str, bytes]]] | None = None
-        # output pipes of local workers, read here only (see adopt_pipes)
-        self._pipes: dict[int, _Pipe] = {}  # fd -> pipe (I/O thread only)
-        self._new_pipes: list[tuple[int, int, int]] = []  # (rank, stdout fd, stderr fd)
-        self._rank_polls: dict[int, select.poll] = {}  # rank -> poll of its pipes
         self.local_ranks: set[int] = set()
         self.restart_timeout = 120.0  # seconds a request waits for a restarting rank
         self.stopping = False  # set while the mesh is being stopped on purpose
         #: failures of meshes spawned by actors that no __supervise__ handled
         self.unhandled: list[str] = []
         self.listeners: list[Callable[[str, int, Any], None]] = []
-        # leader/follower state (see _io_loop)
-        self._lead = threading.Lock()
-        self._leader: int | None = None  # thread ident of a caller that leads
-        self._want = 0  # callers waiting to lead
-        self._want_lock = threading.Lock()
-        self._led_at = 0.0  # monotonic time a caller last stopped leading
-        self._resume = threading.Event()  # wakes the I/O thread (resume_io)
-        self._stepped_at = time.monotonic()  # last I/O step, by any thread
-        self._poller: FdPoller | None = None
-        self._last_beat = self._last_check = time.monotonic()
-        self._thread = threading.Thread(target=self._io_loop, name="monarch-controller",
-                                        daemon=True)
-        self._thread.start()
+        #: the I/O: sockets, lanes, heartbeats, leader/follower (monarch_kernel.controller.io)
+        self.io = ControllerIO(self, self.router, self.pull, self._closed, spin_s)
+        self.engine: Engine = self.io.engine
+        #: the output pipes of local workers (monarch_kernel.controller.output_pipes)
+        self.output = RankOutput(self, self.engine)
+        self._lane_of = self.io.lane_of  # rank -> its current lane
+        self._lanes = self.io.lanes  # fd -> lane
+        self.io.start()
+
+    # ------------------------------------------------------------ the I/O
+    @property
+    def spin_s(self) -> float:
+        """Seconds a waiting caller looks for its reply before it sleeps
+        (``MONARCH_SPIN_US``; 0: no spin; settable)."""
+        return self.engine.spin_s
+
+    @spin_s.setter
+    def spin_s(self, value: float) -> None:
+        self.engine.spin_s = value
+
+    @property
+    def spin_contended(self) -> int:
+        """How many times a contended core turned the spin off."""
+        return self.engine.spin_contended
+
+    def wait_for(self, event: Flag | threading.Event, timeout: float | None = None) -> bool:
+        """Wait until ``event`` is set, leading the I/O meanwhile
+        (:meth:`ControllerIO.wait_for <monarch_kernel.controller.io.ControllerIO.wait_for>`);
+        True if it was set."""
+        return self.io.wait_for(event, timeout)
+
+    def defer_io(self) -> None:
+        """Keep the I/O thread from reading a short while: this thread will
+        wait for a reply (:meth:`ControllerIO.defer_io`)."""
+        self.io.defer_io()
+
+    def resume_io(self) -> None:
+        """Let the I/O thread read again at once (:meth:`ControllerIO.resume_io`)."""
+        self.io.resume_io()
+
+    def nudge_io(self) -> None:
+        """Have the I/O thread take a turn soon (held calls leave in time)."""
+        self.engine.nudge()
+
+    def adopt_lane(self, rank: int, sock: Any) -> None:
+        """Take the controller's end of a lane to local worker ``rank`` (any
+        thread; :meth:`ControllerIO.adopt_lane`)."""
+        self.io.adopt_lane(rank, sock)
+
+    def adopt_pipes(self, rank: int, stdout_fd: int, stderr_fd: int) -> None:
+        """Take the read ends of a local worker's stdout/stderr pipes (any
+        thread; :meth:`RankOutput.adopt_pipes`)."""
+        self.output.adopt_pipes(rank, stdout_fd, stderr_fd)
+
+    def held_calls(self) -> bool:
+        """Whether calls are held for a batch."""
+        return bool(self.batches)
+
+    def flush_batches(self, stale_only: bool = False) -> None:
+        """Send the held calls now (``stale_only``: those held for HOLD_S)."""
+        self.batcher.flush(stale_only)
+
+    def io_ended(self) -> None:
+        """The I/O thread ends (holding the lead): nothing will answer what is
+        pending; the output pipes close."""
+        with self._lock:
+            pending = list(self.pending.values())
+            self.pending.clear()
+        for req in pending:
+            req._fail(MeshFailure("the mesh's controller stopped"))
+        self.output.close()
 
     # -------------------------------------------------------------- sending
     def _send(self, ranks: Iterable[int], frames: list[Any]) -> None:
@@ -194,12 +244,19 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             if b:  # calls held for these ranks leave first (order is kept)
                 for r in ranks:
                     if b.holds(r):
-                        self._send_batch(r, b.take(r))
-            self._send_to(ranks, frames)
+                        self.batcher.send_batch(r, b.take(r))
+            self.send_to(ranks, frames)
 
-    def _send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
-        self._spin_next = True  # replies may come soon: a waiting caller looks first
-        self._spin_misses = 0
+    def send_to(self, ranks: Iterable[int], frames: list[Any]) -> None:
+        """Send ``frames`` to ``ranks`` now, ahead of calls held for them (the
+        caller sends those first, holding ``batches.lock``).
+
+        Raises
+        ------
+        TransportError
+            If a rank cannot be reached.
+        """
+        self.engine.expect_input()  # replies may come soon: a waiting caller looks first
         prepared = None  # the lane framing of `frames`, made once for all lanes
         for r in ranks:
             info = self.ranks.get(r)
@@ -218,14 +275,13 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                     # while stopping)
                     fresh = time.monotonic() - info.hello_at < 5.0
                     wait = (fresh and not self.stopping
-                            and threading.current_thread() is not self._thread
-                            and self._leader != threading.get_ident())
-                    if not self._send_down(info.identity, frames, retry=2.0 if wait else 0.0):
+                            and not self.engine.leads_here())
+                    if not self.send_down(info.identity, frames, retry=2.0 if wait else 0.0):
                         raise TransportError(f"cannot send to rank {r}: it is not connected")
                 else:
                     self.outbox.send([info.identity, *frames])
 
-    def _send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
+    def send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
         """Send on the second socket; a worker whose second connection is not
         attached yet (just after its hello) is retried for ``retry`` seconds."""
         deadline = time.monotonic() + retry
@@ -270,7 +326,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             self.wait_ready(starting, self.restart_timeout)
         mid = self.codec.new_id()
         if batching.may_hold(type, ranks, content, len(self.pending)):
-            return self._held_request(mid, ranks[0], content)
+            return self.batcher.held_request(mid, ranks[0], content)
         local = all(r in self.local_ranks for r in ranks)
         names: list[str] = []
         with cuda_ipc(local and len(ranks) == 1):  # one process on this host
@@ -279,12 +335,16 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         req = Request(mid, ranks)
         req.waiter = self.wait_for
         if names:  # remove the shared-memory files once every rank answered
-            req.add_done_callback(lambda r, names=names: self.codec.release_shm(
-                names, discard=r.failure is not None))
+            codec = self.codec
+
+            def release(r: Request) -> None:
+                codec.release_shm(names, discard=r.failure is not None)
+
+            req.add_done_callback(release)
         # Ctrl-C waits until it is registered and sent (registered only, it would hang)
         with DeferredSigint():
             try:
-                self._register(req)
+                self.register(req)
             except MeshFailure as e:  # its callbacks return its shared memory
                 req._fail(e)
                 raise
@@ -304,7 +364,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                         f"(or mesh.restart({rank})).",)
         return err
 
-    def _register(self, req: Request) -> None:
+    def register(self, req: Request) -> None:
         """Record ``req`` as pending, its ranks busy; a rank that died since the caller
         looked fails it now (marked busy over dead, it would wait for ever)."""
         with self._lock:
@@ -413,6 +473,36 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                 self._retire_if_settled(req)
         self._notify_listeners("dead", rank, failure)
 
+    def check_ranks(self, now: float) -> None:
+        """Watch the ranks (the thread that leads, every ``io.CHECK_S``): local
+        workers' exits, remote ones' missed heartbeats; failed requests are
+        forgotten 5 s after they failed; ``now``: monotonic seconds."""
+        if self.stopping:
+            return
+        if self._sweeps_due:
+            self._sweep_if_due(now)
+        with self._lock:  # failed requests stay routable for 5 s at most
+            for req in [q for q in self.pending.values()
+                        if q.failed_at is not None and now - q.failed_at > 5.0]:
+                self.pending.pop(req.id, None)
+        if self.poll_exits is not None:
+            try:
+                exits = self.poll_exits()
+            except Exception:
+                log.exception("polling worker processes failed")
+                exits = {}
+            for rank, code in exits.items():
+                self.output.drain(rank)
+                if self.leftover_output is not None:
+                    self.output.deliver_leftover(rank)
+                self.mark_dead(rank, code)
+        limit = 3 * self.heartbeat + 0.5
+        for r, info in list(self.ranks.items()):
+            if (r not in self.local_ranks and info.state in ("idle", "busy", "paused")
+                    and now - info.last_heard > limit):
+                log.warning("rank %d missed 3 heartbeats", r)
+                self.mark_dead(r, None)
+
     def _sweep_if_due(self, now: float) -> None:
         """Sweep nobody's pooled files, once a sweep after a rank's death is due
         (the thread that leads; see SWEEP_AFTER_DEATH_S)."""
@@ -442,7 +532,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             except Exception:
                 log.exception("a controller listener failed")
 
-    def _receive(self, frames: list[Any], lane: bytes | None = None) -> None:
+    def receive(self, frames: list[Any], lane: bytes | None = None) -> None:
         """Handle one message: from the ROUTER (``frames`` start with the identity)
         or from the lane whose identity is ``lane``."""
         try:
@@ -472,7 +562,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         if t == "heartbeat":
             return
         if t == "reply":
-            self._drain_pipes(rank)  # its output comes before its reply
+            self.output.drain(rank)  # its output comes before its reply
             try:
                 c = msg.content
                 status, value = c["status"], c["value"]
@@ -491,7 +581,7 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
             self._on_reply(info, msg.parent, status, value)
             return
         if t == "replies":  # several ok replies in one message (a worker's batch)
-            self._drain_pipes(rank)  # their output comes before them
+            self.output.drain(rank)  # their output comes before them
             try:
                 items = [(str(p), "ok", v) for p, v in msg.content]
             except (ProtocolError, TypeError, ValueError) as e:
@@ -502,9 +592,9 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
                 self._on_reply(info, parent, status, value)
             return
         if t == "stream":
-            self._drain_pipes(rank)  # what it wrote to its fds before comes first
+            self.output.drain(rank)  # what it wrote to its fds before comes first
             c = msg.content
-            self._deliver_stream(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
+            self.output.deliver(rank, c["name"], c["text"], self.pending.get(msg.parent or ""))
             return
         if t == "debug":  # a remote pdb paused / runs on / ended (see debug/server.py)
             c = msg.content
@@ -582,15 +672,14 @@ class Controller(ControllerIO, BatchingIO, RankOutput):
         for req in pending:
             req._fail(MeshFailure("the mesh was stopped"))
         self._closed.set()
-        self._thread.join(timeout=5)
+        self.engine.join(timeout=5)
         # (a caller may still lead, for a moment: the lanes close once it stopped)
-        led = self._lead.acquire(timeout=5)
+        led = self.engine.hold(timeout=5)
         try:
-            for lane in [*self._lane_of.values(), *self._lanes.values(), *self._new_lanes]:
-                lane.close()
+            self.io.close_lanes()
         finally:
             if led:
-                self._lead.release()
+                self.engine.release()
         with self._down_lock:
             self.router_down.close(0)
         self.outbox.close()

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from monarch_kernel.controller.controller import Request
@@ -102,6 +103,12 @@ def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
 class MeshMagics(Magics):
     """``%mesh`` and ``%%mesh``; holds the kernel's meshes by name."""
 
+    @property
+    def ip(self) -> InteractiveShell:
+        """The shell these magics were registered with (IPython sets it)."""
+        assert self.shell is not None, "the %mesh magics are used before IPython registered them"
+        return self.shell
+
     def __init__(self, shell: Any, kernel: Any = None) -> None:
         super().__init__(shell)
         self.kernel = kernel
@@ -176,7 +183,7 @@ class MeshMagics(Magics):
         return usage_text()
 
     # ------------------------------------------------------------ commands
-    def _cmd_spawn(self, argv: list[str]) -> ProcMesh:
+    def _cmd_spawn(self, argv: list[str]) -> None:
         a = command("spawn").parse(argv)
         if a.telemetry_interval < 0:
             raise UsageError("%mesh spawn: --telemetry-interval must be 0 (off) or more seconds")
@@ -212,7 +219,7 @@ class MeshMagics(Magics):
         self.meshes[a.name] = m
         registry_for(m.controller)  # knows paused ranks from now on (%mesh debug)
         self.current = a.name
-        self.shell.user_ns[a.name] = m
+        self.ip.user_ns[a.name] = m
         dist = f", torch.distributed {a.dist}" if a.dist != "none" else ""
         print(f"mesh {a.name!r}: {len(m)} ranks {m.shape.dims} ready in "
               f"{time.monotonic() - t0:.2f} s{dist}")
@@ -250,10 +257,10 @@ class MeshMagics(Magics):
             If ``name`` is neither a mesh of ``%mesh spawn`` nor a variable that
             holds a running mesh of this kernel.
         """
-        value = self.shell.user_ns.get(name)
+        value = self.ip.user_ns.get(name)
         names = ", ".join(repr(n) for n, pm in self.meshes.items() if not pm.root._stopped)
         if not isinstance(value, ProcMesh) or value.root._stopped:
-            what = ("is not defined" if name not in self.shell.user_ns else
+            what = ("is not defined" if name not in self.ip.user_ns else
                     "holds a stopped mesh" if isinstance(value, ProcMesh) else
                     f"holds a value of type {type(value).__name__}")
             raise UsageError(f"%mesh use: no running mesh named {name!r} ({name} {what}); "
@@ -283,10 +290,10 @@ class MeshMagics(Magics):
         m = self.current_mesh()
         values = {}
         for name in argv:
-            if name not in self.shell.user_ns:
+            if name not in self.ip.user_ns:
                 raise UsageError(f"%mesh push: {name!r} is not defined in the notebook; "
                                  "define it first")
-            values[name] = self.shell.user_ns[name]
+            values[name] = self.ip.user_ns[name]
         m.push(**values)
 
     def _cmd_pull(self, argv: list[str]) -> Any:
@@ -324,7 +331,7 @@ class MeshMagics(Magics):
         a = command("show").parse(argv)
         if a.values < 0:
             raise UsageError("%mesh show: --values must be 0 or more")
-        target = self.shell.user_ns.get(a.target)
+        target = self.ip.user_ns.get(a.target)
         if not isinstance(target, Ref):
             if not a.target.isidentifier():
                 raise UsageError(f"%mesh show: {a.target!r} is neither a handle nor a "
@@ -369,7 +376,7 @@ class MeshMagics(Magics):
             raise UsageError(f"%%mesh --ranks: {e}") from None
         if a.timeout is not None and a.timeout <= 0:
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
-        bind_refs(m, ranks, cell, self.shell.user_ns)  # handles used by the cell: local values
+        bind_refs(m, ranks, cell, self.ip.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
         self.wait_cell(m, req, a.timeout)
         report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
@@ -462,7 +469,7 @@ class MeshMagics(Magics):
     def publish_display(self, rank: int, content: dict[str, Any]) -> None:
         """Show a rank's ``display``/``clear_output`` in the notebook, tagged with
         the rank (metadata ``monarch_rank``; display ids are made per rank)."""
-        pub = self.shell.display_pub
+        pub = self.ip.display_pub
         if content.get("clear"):
             pub.clear_output(wait=content.get("wait", False))
             return
@@ -476,7 +483,7 @@ class MeshMagics(Magics):
 
     def _progress(self, rank: int, name: str, text: str, first: bool) -> None:
         """A rank's ``\\r`` progress line: one display per rank, updated in place."""
-        pub = self.shell.display_pub
+        pub = self.ip.display_pub
         pub.publish(data={"text/plain": f"[{rank}] {text}"},
                     metadata={"monarch_rank": rank, "monarch_stream": name},
                     transient={"display_id": f"monarch-progress-{id(self)}-{rank}-{name}-"

@@ -24,9 +24,9 @@ A message type nobody registered goes to the main thread, which answers it
 with ``ValueError("unknown request type ...")``.
 
 Besides handlers, a feature may register a *start hook* (run with the
-worker once, before it serves its first request) and a *shared fd reader*
-(for file descriptors the worker's I/O poll watches on a feature's behalf,
-e.g. actors' peer lanes).
+worker once, before it serves its first request). File descriptors a
+feature wants the worker's leading thread to watch (actors' peer lanes) are
+shared through the worker's I/O itself (``WorkerIO.share``), not here.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ __all__ = [
     "StartHook",
     "Thread",
     "lookup",
-    "read_shared_fd",
-    "register_fd_reader",
     "register_io",
     "register_request",
     "register_start",
@@ -84,13 +82,6 @@ class StartHook(Protocol):
     def __call__(self, worker: Worker, /) -> None: ...
 
 
-class FdReader(Protocol):
-    """Reads a ready fd the worker's I/O poll watches for a feature; False if
-    the fd is not one of the feature's (the caller then stops watching it)."""
-
-    def __call__(self, fd: int, /) -> bool: ...
-
-
 @dataclass(frozen=True)
 class Handler:
     """One registered handler.
@@ -113,7 +104,6 @@ class Handler:
 _lock = threading.Lock()
 _handlers: dict[str, Handler] = {}
 _start_hooks: list[StartHook] = []
-_fd_readers: list[FdReader] = []
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -172,16 +162,3 @@ def run_start_hooks(worker: Worker) -> None:
         hooks = list(_start_hooks)
     for hook in hooks:
         hook(worker)
-
-
-def register_fd_reader(reader: FdReader) -> None:
-    """Add a reader of fds that the worker's I/O poll watches for a feature."""
-    with _lock:
-        if reader not in _fd_readers:
-            _fd_readers.append(reader)
-
-
-def read_shared_fd(fd: int) -> bool:
-    """Let the feature that owns ``fd`` read it; False if none does (the thread
-    that leads the I/O, whose poll found ``fd`` ready)."""
-    return any(reader(fd) for reader in _fd_readers)

@@ -1,42 +1,52 @@
-"""A worker's I/O: leader/follower over its connection to the controller.
+"""A worker's I/O: its connection to the controller on the one I/O engine.
 
-Whoever holds ``_lead`` reads the controller's messages and dispatches
-them (calls to actors' queues, requests to the main thread's queue,
-interrupts, debugger input), sends heartbeats and watches the controller.
-The I/O thread leads by default; the thread of the worker's only actor
-leads while it is idle (:meth:`WorkerIO.lead_until`), so a call is read by
-the thread that runs it, with no hand-off between threads; so does the main
-thread, which runs cells, while the worker has no actor. The I/O thread
-takes the lead again 10-30 ms after the actor stopped leading (while the
-actor runs a call).
+:class:`WorkerIO` is the part of a :class:`~monarch_kernel.worker.worker.Worker`
+that does its I/O, on a :class:`~monarch_kernel.transport.engine.Engine`:
+whoever leads reads the controller's messages and hands each verified one to
+the worker's routing (``Worker.dispatch``: calls to actors' queues, requests
+to the main thread's queue, interrupts, debugger input), sends heartbeats and
+watches the controller (its process, its lane, its silence).
 
-Peer lanes (actors' calls between workers) are watched here too, as well
-as by the peer I/O thread, with ``EPOLLEXCLUSIVE``, this worker's poller
-first: a call from a peer wakes the idle actor's thread, which runs it with
-no hand-off; a thread that made a peer call and waits for its reply leads
-while it waits (:meth:`WorkerIO.lead_wait`) and reads the reply itself.
-They use a poller of their own (``_lead_poller``, the same fds and the peer
-lanes); the I/O thread's does not watch peer lanes, so a buffer read never
-holds up its heartbeats and interrupts. Whatever comes while nobody waits
-in the lead poller (the actor is busy, a worker of several actors) wakes
-the peer I/O thread instead, as before. ``MONARCH_PEER_LEAD=0`` turns this
-off. :class:`WorkerIO` is a mixin of
-:class:`~monarch_kernel.worker.worker.Worker` and uses its sockets and queues.
+Leader/follower (POSA2): the I/O thread leads by default; the thread of the
+worker's only actor leads while it is idle (:meth:`WorkerIO.lead_until`),
+so a call is read by the thread that runs it, with no hand-off between
+threads; so does the main thread, which runs cells, while the worker has no
+actor. The I/O thread takes the lead again a short grace after the actor
+stopped leading (while the actor runs a call).
+
+Peer lanes (:mod:`monarch_kernel.actor.peers`) are watched by the followers'
+poller too (:meth:`WorkerIO.share`), as well as by the peer I/O thread, with
+``EPOLLEXCLUSIVE``, this worker's poller first: a call from a peer wakes the
+idle actor's thread, which runs it with no hand-off; a thread that made a
+peer call and waits for its reply leads while it waits
+(:meth:`WorkerIO.lead_wait`) and reads the reply itself. The I/O thread's
+poller does not watch peer lanes, so a buffer read never holds up its
+heartbeats and interrupts. Whatever comes while nobody waits in the
+followers' poller (the actor is busy, a worker of several actors) wakes the
+peer I/O thread instead. ``MONARCH_PEER_LEAD=0`` turns this off.
+
+A verified message goes to ``Worker.dispatch``, the one call from the I/O into
+the routing (the handler registry, :mod:`monarch_kernel.worker.handlers`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
 
 import zmq
 
 from monarch_kernel.errors import ProtocolError
+from monarch_kernel.transport.engine import Engine, EngineSettings
+from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import FdPoller, drain, send_frames
+from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.switches import peer_lead_enabled
 from monarch_kernel.wire import protocol, shm
 from monarch_kernel.wire.shm import NAME_RE
@@ -44,7 +54,10 @@ from monarch_kernel.worker import handlers
 
 log = logging.getLogger("monarch_kernel.worker.worker")
 
-__all__ = ["WorkerIO"]
+__all__ = ["WorkerHost", "WorkerIO", "exit_process"]
+
+#: the order of sources in a step: hand-offs for the dealer first, then the controller's
+PULL_ORDER, CONTROLLER_ORDER, PEER_ORDER = 0, 1, 2
 
 
 def _peer_lead() -> bool:
@@ -64,91 +77,124 @@ def exit_process(code: int) -> NoReturn:
         os._exit(code)
 
 
+
+class WorkerHost(Protocol):
+    """What :class:`WorkerIO` uses of its worker."""
+
+    rank: int
+    codec: protocol.Codec
+    lane: Lane | None
+    dealer: zmq.Socket | None
+    up: zmq.Socket | None
+    pull: zmq.Socket
+    heartbeat: float
+    heartbeat_timeout: float
+    controller_pid: int | None
+    stopping: threading.Event
+    actors: dict[str, Any]
+
+    def dispatch(self, msg: protocol.Message) -> None:
+        """Route one verified message from the controller."""
+        ...
+
+    def leave_if_forked(self, strict: bool = True) -> None:
+        """Exit at once in a child that user code forked."""
+        ...
+
+    def send_encoded(self, frames: list[Any]) -> None:
+        """Send encoded frames to the controller (any thread)."""
+        ...
+
+
 class WorkerIO:
-    """The I/O half of a worker (see the module docstring)."""
+    """The I/O of a worker (see the module docstring); an
+    :class:`~monarch_kernel.transport.engine.EngineUser`.
 
-    def _io_loop(self) -> None:
-        self._last_heard = self._last_sent = time.monotonic()
-        try:
-            lead_poller = None
-            if self.lane is not None:  # one epoll_wait a step (transport.FdPoller)
-                poller: Any = FdPoller()
-                poller.register(self.lane.fileno(), zmq.POLLIN)
-                if poller.exclusive and _peer_lead():
-                    # the one actor's or a waiting caller's: the same, and peer lanes
-                    lead_poller = FdPoller()
-                    lead_poller.register(self.lane.fileno())
-                    lead_poller.register(self.pull)
-            else:
-                poller = zmq.Poller()
-                poller.register(self.dealer, zmq.POLLIN)
-            poller.register(self.pull, zmq.POLLIN)
-            self._lead_poller = lead_poller
-            self._poller = poller
-            while not self.stopping.is_set():
-                if self._want or time.monotonic() - self._led_at < 0.01:
-                    time.sleep(0.02)  # an actor leads, or led just now
-                    self._flush_stale_replies()
-                    continue
-                with self._lead:
-                    if not self._want:
-                        held = self._flush_stale_replies()
-                        self._leader = threading.get_ident()
-                        if self._lead_poller is not None:
-                            poller.touched(self.pull)  # (see _lead_while)
-                        try:
-                            self._io_step(20 if held else 100)
-                        finally:
-                            self._leader = None
-        except BaseException:  # without this thread the rank is deaf: leave, loudly
-            log.exception("rank %d: the I/O thread failed; exiting", self.rank)
-            exit_process(1)
-        finally:
-            with self._lead:
-                if isinstance(self._poller, FdPoller):
-                    self._poller.close()
-                lead_poller, self._lead_poller = self._lead_poller, None
-                if lead_poller is not None:  # (peer threads may still touch it: see
-                    lead_poller.close()  # FdPoller.unregister; _watch stops sharing)
-                if self.dealer is not None:
-                    self.dealer.close(0)
-                self.pull.close(0)
+    Parameters
+    ----------
+    host : WorkerHost
+        The worker.
+    """
 
-    def _flush_stale_replies(self) -> bool:
+    def __init__(self, host: WorkerHost) -> None:
+        self.host = host
+        self.last_heard = time.monotonic()  # monotonic time of the last message
+        self._lead_waits = 0  # threads in lead_wait
+        self._waits_lock = threading.Lock()
+        settings = EngineSettings(
+            name="monarch-io", idle_ms=100, held_ms=20, backoff_s=0.02,
+            held_backoff_s=0.02, max_gap_s=None, nested=False, yield_to_followers=True,
+            acquire_limit_s=1.0, survive_step_errors=False,
+            follower_poller=host.lane is not None and _peer_lead())
+        self.engine = Engine(settings, self, host.stopping)
+        self.engine.add(host.pull, self._on_pull, order=PULL_ORDER)
+        if host.lane is not None:
+            self.engine.add(host.lane.fileno(), self._on_lane, order=CONTROLLER_ORDER)
+        else:
+            assert host.dealer is not None
+            self.engine.add(host.dealer, self._on_dealer, order=CONTROLLER_ORDER)
+        self.engine.every(host.heartbeat, self._beat)
+        self.engine.every(0, self._check_silence)
+
+    def start(self) -> None:
+        """Start the I/O thread."""
+        self.last_heard = time.monotonic()
+        self.engine.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The I/O thread."""
+        return self.engine.thread
+
+    # ------------------------------------------------------------ EngineUser
+    def on_turn(self) -> bool:
         """Send actors' replies held too long; True if some are still held."""
         held = False
-        for inst in list(self.actors.values()):
+        for inst in list(self.host.actors.values()):
             try:
                 held = inst.flush_stale() or held
-            except Exception:  # noqa: BLE001 - the connection is closing
+            except Exception:  # the connection is closing
                 log.debug("could not flush held replies", exc_info=True)
         return held
 
-    def wake(self) -> bool:
-        """Wake the thread that leads from its poll (any thread; never blocks:
-        with as many wake-ups queued as the pipe holds, the leader has enough
-        to wake it, and it is the only thread that reads them). False if the
-        worker is closing."""
-        try:
-            self.outbox.try_send([b""])
-        except Exception:  # noqa: BLE001 - closing: nobody to wake
-            return False
-        return True
+    def may_spin(self) -> bool:
+        return False
 
-    def lead_until(self, q: Any, actors: int = 1) -> bool:
+    def before_step(self) -> None:
+        self.host.leave_if_forked(strict=False)  # (a forked child never does the I/O)
+
+    def on_failure(self, error: BaseException) -> None:
+        # without this thread the rank is deaf: leave, loudly
+        log.error("rank %d: the I/O thread failed; exiting", self.host.rank, exc_info=error)
+        exit_process(1)
+
+    def on_close(self) -> None:
+        if self.host.dealer is not None:
+            self.host.dealer.close(0)
+        self.host.pull.close(0)
+
+    # ------------------------------------------------------------ leading
+    def wake(self) -> bool:
+        """Wake the thread that leads from its poll (any thread; never blocks).
+        False if the worker's I/O is closed."""
+        return self.engine.wake()
+
+    def lead_until(self, q: queue.Queue[Any], actors: int = 1) -> bool:
         """Do the I/O in this thread until ``q`` has an item (an idle thread:
         the only actor's, or the main thread's while no actor exists,
         ``actors=0``). Returns False, at once, when it cannot lead: more
         actors than ``actors`` run on this worker, or the worker is
         stopping; the caller then waits on ``q`` as usual."""
-        return self._lead_while(lambda: q.empty(), actors, None) is True
+        running = self.host.actors
+        return self.engine.lead(lambda: not q.empty(), None,
+                                allowed=lambda: len(running) <= actors) is True
 
-    def lead_wait(self, flag: Any, timeout: float | None = None) -> bool:
-        """Wait until ``flag`` (a :class:`~monarch_kernel.util.flag.Flag`) is set, at
-        most ``timeout`` seconds (None: no limit), doing the worker's I/O in
-        this thread meanwhile where it may lead (a worker with at most one
-        actor): the reply to a peer call that this thread made is then read
-        here (a ``Future``'s waiter). True if ``flag`` was set.
+    def lead_wait(self, flag: Flag, timeout: float | None = None) -> bool:
+        """Wait until ``flag`` is set, at most ``timeout`` seconds (None: no
+        limit), doing the worker's I/O in this thread meanwhile where it may
+        lead (a worker with at most one actor): the reply to a peer call that
+        this thread made is then read here (a ``Future``'s waiter). True if
+        ``flag`` was set.
 
         The main thread (a cell's call) does not lead here: a Ctrl-C raised in
         the middle of an I/O step could lose messages read in it."""
@@ -157,139 +203,121 @@ class WorkerIO:
         if threading.current_thread() is threading.main_thread():
             return flag.wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._want_lock:
+        running = self.host.actors
+        with self._waits_lock:
             self._lead_waits += 1
         try:
-            if self._lead_while(lambda: not flag.is_set(), 1, deadline) is not None:
+            if self.engine.lead(flag.is_set, deadline,
+                                allowed=lambda: len(running) <= 1) is not None:
                 return flag.is_set()
         finally:
-            with self._want_lock:
+            with self._waits_lock:
                 self._lead_waits -= 1
         return flag.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def wake_leader(self) -> None:
         """Wake a thread that waits in :meth:`lead_wait` (from another thread:
         a request it may wait for was finished there)."""
-        if self._lead_waits and self._leader != threading.get_ident():
-            self.wake()
+        if self._lead_waits and self.engine.leader != threading.get_ident():
+            self.engine.wake()
 
-    def _lead_while(self, more: Any, actors: int, deadline: float | None) -> bool | None:
-        """Lead the I/O while ``more()`` (an idle or waiting thread): True once it
-        is false, False at the deadline; None when this thread cannot lead
-        (more actors than ``actors``, another thread wants to, stopping)."""
-        if len(self.actors) > actors or self.stopping.is_set() or self._poller is None:
-            return None
-        if self._leader == threading.get_ident():
-            return None  # (nested: it leads already, further up its stack)
-        with self._want_lock:
-            self._want += 1
-        try:
-            if not self._lead.acquire(blocking=False):
-                if not self.wake():  # the I/O thread leaves its poll and steps back
-                    return None
-                wait_s = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-                if not self._lead.acquire(timeout=max(0.0, wait_s)):
-                    return None
-            outer, self._leader = self._leader, threading.get_ident()
-            poller = self._lead_poller or self._poller
-            if poller is not self._poller:
-                poller.touched(self.pull)  # (the other poller may have taken its signal)
-            try:
-                while more():
-                    if self.stopping.is_set() or len(self.actors) > actors or self._want > 1:
-                        return None  # (another actor thread wants to lead: let it)
-                    wait_ms = 50
-                    if deadline is not None:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            return False
-                        wait_ms = max(1, min(50, int(left * 1000)))
-                    self._io_step(wait_ms, poller)
-                return True
-            finally:
-                self._leader = outer
-                self._led_at = time.monotonic()
-                self._lead.release()
-        finally:
-            with self._want_lock:
-                self._want -= 1
+    # ------------------------------------------------------------ peer lanes
+    @property
+    def follower_poller(self) -> FdPoller | None:
+        """The followers' poller, which watches shared peer lanes (None: lanes
+        are not shared: ZeroMQ to the controller, no EPOLLEXCLUSIVE,
+        ``MONARCH_PEER_LEAD=0``)."""
+        return self.engine.follower_poller
 
-    def _io_step(self, timeout_ms: int, poller: Any = None) -> None:
-        """One turn of the I/O (by whichever thread leads; ``poller``: the
-        I/O thread's, by default, or the one that watches peer lanes too)."""
-        self.leave_if_forked(strict=False)  # (a forked child never does the worker's I/O)
-        poller = poller or self._poller
-        events = dict(poller.poll(timeout_ms))
-        if self.pull in events:
-            for frames in drain(self.pull):
-                if len(frames) == 1 and not frames[0].buffer.nbytes:
-                    continue  # a wake-up (an actor thread that leads)
-                send_frames(self.dealer, frames)  # (only without a lane or `up`)
-        if self.stopping.is_set():
+    def share(self, fd: int, handler: Callable[[int], bool]) -> bool:
+        """Watch peer lane ``fd`` in the followers' poller too (any thread;
+        ``EPOLLEXCLUSIVE``, registered before the peer I/O thread's):
+        ``handler(fd)`` reads it, False if it is no longer shared. False if it
+        cannot be shared."""
+        engine = self.engine
+
+        def on_input(fd: int) -> None:
+            if not handler(fd):
+                engine.remove(fd)  # (a lane closed meanwhile: the fd is stale)
+
+        return engine.add(fd, on_input, order=PEER_ORDER, shared=True)
+
+    def unshare(self, fd: int) -> None:
+        """Stop watching peer lane ``fd`` in the followers' poller (any thread)."""
+        self.engine.remove(fd)
+
+    # ------------------------------------------------------------ a step
+    def _on_pull(self, pull: zmq.Socket) -> None:
+        dealer = self.host.dealer
+        assert dealer is not None  # (frames come here only without a lane or `up`)
+        for frames in drain(pull):
+            if len(frames) == 1 and not frames[0].buffer.nbytes:
+                continue  # (a wake-up)
+            send_frames(dealer, frames)  # (only without a lane or `up`)
+            self.engine.touched(dealer)
+
+    def _on_lane(self, fd: int) -> None:
+        host = self.host
+        lane = host.lane
+        assert lane is not None
+        if host.stopping.is_set():
             return
-        if self.lane is not None:
-            lane_fd = self.lane.fileno()
-            incoming = self.lane.read() if events.get(lane_fd) else []
-            if len(events) > (self.pull in events) + (lane_fd in events):
-                for obj in events:  # peer lanes (see the module docstring)
-                    if isinstance(obj, int) and obj != lane_fd and not \
-                            handlers.read_shared_fd(obj):
-                        poller.unregister(obj)  # (a lane closed meanwhile: the fd is stale)
-        else:
-            incoming = drain(self.dealer, small=1) if self.dealer in events else ()
+        self._handle(lane.read())
+        if lane.eof and not host.stopping.is_set():
+            log.warning("rank %d: the controller closed its lane (it is gone); exiting",
+                        host.rank)
+            exit_process(0)
+
+    def _on_dealer(self, dealer: zmq.Socket) -> None:
+        if self.host.stopping.is_set():
+            return
+        self._handle(drain(dealer, small=1))
+
+    def _handle(self, incoming: Any) -> None:
+        host = self.host
         for frames in incoming:  # [envelope, buffers...]
             try:
-                msg = self.codec.decode(frames, lazy=True)
+                msg = host.codec.decode(frames, lazy=True)
             except ProtocolError as e:
-                log.warning("rank %d dropped a message: %s", self.rank, e)
+                log.warning("rank %d dropped a message: %s", host.rank, e)
                 continue
-            self._last_heard = time.monotonic()
+            self.last_heard = time.monotonic()
             try:
-                self._dispatch(msg)
+                host.dispatch(msg)
             except Exception:
                 log.exception("rank %d dropped a message it could not dispatch "
-                              "(%s)", self.rank, msg.type)
-        if self.lane is not None and self.lane.eof and not self.stopping.is_set():
-            log.warning("rank %d: the controller closed its lane (it is gone); exiting",
-                        self.rank)
+                              "(%s)", host.rank, msg.type)
+
+    def _beat(self, now: float) -> None:
+        host = self.host
+        beat = host.codec.encode("heartbeat")
+        dealer = host.dealer
+        if host.up is not None or host.lane is not None or dealer is None:
+            host.send_encoded(beat)
+        else:
+            send_frames(dealer, beat)
+            self.engine.touched(dealer)
+        if not self._controller_alive():
+            log.warning("rank %d: the controller process is gone; exiting", host.rank)
             exit_process(0)
-        now = time.monotonic()
-        if now - self._last_sent >= self.heartbeat:
-            self._last_sent = now
-            beat = self.codec.encode("heartbeat")
-            if self.up is not None or self.lane is not None:
-                self._send_frames(beat)
-            else:
-                send_frames(self.dealer, beat)
-            if not self._controller_alive():
-                log.warning("rank %d: the controller process is gone; exiting", self.rank)
-                exit_process(0)
-        if now - self._last_heard > self.heartbeat_timeout:
-            log.warning(
-                "rank %d: no word from the controller for %.1f s; exiting",
-                self.rank, now - self._last_heard,
-            )
+
+    def _check_silence(self, now: float) -> None:
+        if now - self.last_heard > self.host.heartbeat_timeout:
+            log.warning("rank %d: no word from the controller for %.1f s; exiting",
+                        self.host.rank, now - self.last_heard)
             exit_process(0)
 
     def _controller_alive(self) -> bool:
-        if self.controller_pid is None:
+        pid = self.host.controller_pid
+        if pid is None:
             return True
         try:
-            os.kill(self.controller_pid, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
         return True
-
-    def _dispatch(self, msg: protocol.Message) -> None:
-        """Route ``msg``: its I/O-thread handler runs now; anything else is a
-        request for the main thread's queue (see :mod:`monarch_kernel.worker.handlers`)."""
-        handler = handlers.lookup(msg.type)
-        if handler is not None and handler.thread is handlers.Thread.IO:
-            handler.fn(self, msg)
-        else:
-            self.requests.put(msg)
 
 
 def _on_interrupt(worker: Any, msg: protocol.Message) -> None:

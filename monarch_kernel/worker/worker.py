@@ -65,7 +65,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 import types
 from typing import Any
@@ -75,7 +74,6 @@ import zmq
 from monarch_kernel.errors import RemoteError, SerializationError, ranks_label
 from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import (
-    FdPoller,
     Outbox,
     connect_dealer,
     inproc_pair,
@@ -117,8 +115,13 @@ def current_worker() -> Worker | None:
     return current
 
 
-class Worker(WorkerIO):
+class Worker:
     """State and loops of one worker process.
+
+    Its I/O is :attr:`io` (:class:`~monarch_kernel.worker.io.WorkerIO`, on the
+    one I/O engine); a verified message from the controller goes to
+    :meth:`dispatch`, which looks its type up in the handler registry
+    (:mod:`monarch_kernel.worker.handlers`).
 
     Parameters
     ----------
@@ -222,17 +225,45 @@ class Worker(WorkerIO):
         self.namespace = self.module.__dict__
         self.loop: asyncio.AbstractEventLoop | None = None
         self.capture: FdCapture | None = None
-        # leader/follower state (see _io_loop)
-        self._lead = threading.Lock()
-        self._want = 0
-        self._want_lock = threading.Lock()
-        self._led_at = 0.0
-        self._leader: int | None = None  # the thread that holds _lead, while it polls
-        self._lead_poller: FdPoller | None = None  # actors' and callers' (worker_io)
-        self._lead_waits = 0  # threads in lead_wait
-        self._poller: zmq.Poller | FdPoller | None = None
-        self._last_heard = self._last_sent = time.monotonic()
-        self.io_thread = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        #: the I/O: the connection to the controller, leader/follower (worker.io)
+        self.io = WorkerIO(self)
+        self.io_thread = self.io.thread
+
+    # ------------------------------------------------------------------ I/O
+    @property
+    def _leader(self) -> int | None:
+        """The ident of the thread that leads the I/O now (None: nobody)."""
+        return self.io.engine.leader
+
+    def wake(self) -> bool:
+        """Wake the thread that leads from its poll (:meth:`WorkerIO.wake`)."""
+        return self.io.wake()
+
+    def lead_until(self, q: Any, actors: int = 1) -> bool:
+        """Lead the I/O until ``q`` has an item (:meth:`WorkerIO.lead_until`)."""
+        return self.io.lead_until(q, actors)
+
+    def lead_wait(self, flag: Any, timeout: float | None = None) -> bool:
+        """Wait for ``flag``, leading the I/O meanwhile (:meth:`WorkerIO.lead_wait`)."""
+        return self.io.lead_wait(flag, timeout)
+
+    def wake_leader(self) -> None:
+        """Wake a thread in :meth:`lead_wait` (:meth:`WorkerIO.wake_leader`)."""
+        self.io.wake_leader()
+
+    def dispatch(self, msg: protocol.Message) -> None:
+        """Route a verified message from the controller (the thread that leads
+        the I/O): its I/O-thread handler runs now; anything else is a request for
+        the main thread's queue (see :mod:`monarch_kernel.worker.handlers`)."""
+        handler = handlers.lookup(msg.type)
+        if handler is not None and handler.thread is handlers.Thread.IO:
+            handler.fn(self, msg)
+        else:
+            self.requests.put(msg)
+
+    def send_encoded(self, frames: list[Any]) -> None:
+        """Send encoded ``frames`` to the controller (any thread)."""
+        self._send_frames(frames)
 
     # ---------------------------------------------------------------- sending
     def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
@@ -322,7 +353,7 @@ class Worker(WorkerIO):
     # ----------------------------------------------------------- main thread
     def serve(self) -> int:
         """Run the main loop until a ``stop`` request; returns the exit code."""
-        self.io_thread.start()
+        self.io.start()
         self.send(
             "hello",
             {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -332,7 +363,7 @@ class Worker(WorkerIO):
         while True:
             try:
                 if not self.actors and self.requests.empty():
-                    # no actor: this thread reads the next request itself (worker_io)
+                    # no actor: this thread reads the next request itself (worker.io)
                     self.lead_until(self.requests, actors=0)
                 msg = self.requests.get()
             except KeyboardInterrupt:  # an interrupt that arrived while idle

@@ -20,6 +20,7 @@ from monarch_kernel import MeshFailure
 from monarch_kernel.controller import batching as batching
 from monarch_kernel import endpoint
 from monarch_kernel.controller.controller import Controller
+from monarch_kernel.controller.io import ControllerIO
 from monarch_kernel.errors import TransportError
 from monarch_kernel.mesh.procmesh import spawn_procs
 from monarch_kernel.testing.kernel import wait_for, worker_pids
@@ -178,8 +179,8 @@ def test_ctrl_c_while_calling_never_leaves_a_request_unsent(procs, logs, monkeyp
             sent[i].get(timeout=30)
 
     funcs = [Controller.request, Controller._send, Controller._send_after_held,
-             Controller.wait_for, batching.BatchingIO._held_request,
-             batching.BatchingIO._send_batch, batching.BatchingIO.flush_batches]
+             ControllerIO.wait_for, batching.Batcher.held_request,
+             batching.Batcher.send_batch, batching.Batcher.flush]
     monkeypatch.setattr(batching, "MIN_PENDING", 0)  # every call is held
     held = _interrupt_each_line(funcs, call)
     monkeypatch.setattr(batching, "MIN_PENDING", 10**9)  # no call is held
@@ -219,7 +220,7 @@ def test_a_callback_of_a_failed_batch_does_not_overtake_held_calls(monkeypatch):
         def connection_gone() -> bool:
             lane = ctl._lane_of.get(0)  # (a local rank's lane, monarch_kernel.transport.lane)
             if lane is None:
-                return not ctl._send_down(ctl.ranks[0].identity, beat, retry=0)
+                return not ctl.send_down(ctl.ranks[0].identity, beat, retry=0)
             try:
                 lane.send(beat)
             except TransportError:

@@ -223,11 +223,13 @@ def test_input_that_woke_a_thread_which_gave_up_the_lane_is_read_by_its_holder()
     # message) for READ_WAIT_S, it gives up; nothing would wake anyone for that
     # message until the next one came. The holder must read again before it lets
     # go. Real lanes over a socket pair; the host's handlers only record and, for
-    # the first message, take long (PeerHost._drain is what is tested).
-    from monarch_kernel.transport import lane as lane_mod
-    from monarch_kernel.actor.peers import PeerHost
+    # the first message, take long (PeerIO.drain is what is tested).
+    import types
 
-    class Host:  # what _drain uses of a PeerHost
+    from monarch_kernel.actor.peer_io import PeerIO
+    from monarch_kernel.transport import lane as lane_mod
+
+    class Host:  # what PeerIO.drain uses of a PeerHost
         rank = 0
         codec = None
 
@@ -238,7 +240,7 @@ def test_input_that_woke_a_thread_which_gave_up_the_lane_is_read_by_its_holder()
             self.first = threading.Event()
             self.go_on = threading.Event()
 
-        def _incoming(self, frames, identity) -> None:
+        def incoming(self, frames, identity) -> None:
             self.got.append(bytes(frames[0]))
             if len(self.got) == 1:
                 self.first.set()
@@ -248,15 +250,16 @@ def test_input_that_woke_a_thread_which_gave_up_the_lane_is_read_by_its_holder()
     sender = lane_mod.Lane(a, "sender")
     reader = lane_mod.Lane(b, "reader", identity=b"\0lane-test")
     host = Host()
+    io = types.SimpleNamespace(host=host)  # (a PeerIO's part that drain uses)
     counts: list = []
     try:
         sender.send([b"first"])
-        holder = threading.Thread(target=lambda: counts.append(PeerHost._drain(host, reader)))
+        holder = threading.Thread(target=lambda: counts.append(PeerIO.drain(io, reader)))
         holder.start()
         assert host.first.wait(30)  # the holder handles "first" and holds the lane
         sender.send([b"second"])
         time.sleep(0.05)  # (it has arrived)
-        assert PeerHost._drain(host, reader) is None  # gave up after READ_WAIT_S
+        assert PeerIO.drain(io, reader) is None  # gave up after READ_WAIT_S
         assert reader.missed
         host.go_on.set()
         holder.join(30)

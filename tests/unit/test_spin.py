@@ -1,4 +1,4 @@
-"""The bounded spin of a caller waiting for its reply (controller_io).
+"""The bounded spin of a caller waiting for its reply (transport.engine, controller.io).
 
 A waiting caller looks for its reply for up to ``spin_s`` before it sleeps
 in poll(2), only after a message was sent or came in on the ROUTER, at most
@@ -17,7 +17,8 @@ import cloudpickle
 import pytest
 
 from monarch_kernel import Actor, endpoint
-from monarch_kernel.controller.io import MAX_MISSES, SPIN_US, spin_seconds
+from monarch_kernel.transport import engine as engine_mod
+from monarch_kernel.transport.engine import MAX_MISSES, SPIN_US, spin_seconds
 from monarch_kernel.mesh.procmesh import spawn_procs
 from monarch_kernel.testing.kernel import wait_for, worker_pids
 
@@ -67,14 +68,14 @@ def test_a_bad_spin_setting_fails_before_any_worker_starts(monkeypatch) -> None:
 def _count_spins(ctl, monkeypatch) -> list[tuple[float, int]]:
     """Record each spin: its length and how many local ranks were busy."""
     spins: list[tuple[float, int]] = []
-    real = ctl._spin
+    real = ctl.engine.spin
 
     def spin(seconds: float) -> bool:
         busy = sum(1 for r in ctl.local_ranks if ctl.ranks[r].state == "busy")
         spins.append((seconds, busy))
         return real(seconds)
 
-    monkeypatch.setattr(ctl, "_spin", spin)
+    monkeypatch.setattr(ctl.engine, "spin", spin)
     return spins
 
 
@@ -116,14 +117,12 @@ def test_output_read_from_pipes_does_not_spin(sleeper, monkeypatch) -> None:
 def test_the_spin_yields_between_looks(sleeper, monkeypatch) -> None:
     """Between two looks at the ROUTER the spinning caller gives its core away
     (a thread it woke may wait behind it)."""
-    from monarch_kernel.controller import io as controller_io
-
     pm, one = sleeper
     ctl = pm.controller
-    monkeypatch.setattr(ctl, "_cores", 8)  # (whatever this machine has)
+    monkeypatch.setattr(ctl.io, "cores", 8)  # (whatever this machine has)
     looks: list[int] = []
     yields: list[int] = []
-    real_look, real_yield = controller_io.has_input, controller_io._yield
+    real_look, real_yield = engine_mod.has_input, engine_mod._yield
 
     def look(sock) -> bool:
         looks.append(threading.get_ident())
@@ -133,8 +132,8 @@ def test_the_spin_yields_between_looks(sleeper, monkeypatch) -> None:
         yields.append(threading.get_ident())
         real_yield()
 
-    monkeypatch.setattr(controller_io, "has_input", look)
-    monkeypatch.setattr(controller_io, "_yield", counted)
+    monkeypatch.setattr(engine_mod, "has_input", look)
+    monkeypatch.setattr(engine_mod, "_yield", counted)
     spins = _count_spins(ctl, monkeypatch)
     ctl.spin_s = 0.002  # a fruitless 2 ms spin: the reply takes 50 ms
     assert one.nap.call_one(0.05).get(timeout=30) == 0.05
@@ -149,25 +148,23 @@ def test_a_yield_that_loses_the_core_turns_the_spin_off(sleeper, monkeypatch) ->
     """A yield that kept the core away for CONTENDED_S (another task runnable on
     the caller's core: each yield could cost its whole time slice) ends the
     spin, and no wait spins for CONTENDED_OFF_S."""
-    from monarch_kernel.controller import io as controller_io
-
     pm, one = sleeper
     ctl = pm.controller
-    monkeypatch.setattr(ctl, "_cores", 8)
-    monkeypatch.setattr(controller_io, "_yield",
-                        lambda: time.sleep(controller_io.CONTENDED_S * 2))
+    monkeypatch.setattr(ctl.io, "cores", 8)
+    monkeypatch.setattr(engine_mod, "_yield",
+                        lambda: time.sleep(engine_mod.CONTENDED_S * 2))
     spins = _count_spins(ctl, monkeypatch)
     ctl.spin_s = 0.05
     t0 = time.monotonic()
     assert one.nap.call_one(0.2).get(timeout=30) == 0.2
     assert len(spins) == 1, spins
-    assert ctl._spin_off_until >= t0 + controller_io.CONTENDED_OFF_S
+    assert ctl.engine.spin_off_until >= t0 + engine_mod.CONTENDED_OFF_S
     spins.clear()
     for _ in range(20):
         one.noop.call_one().get(timeout=30)
-    if time.monotonic() < ctl._spin_off_until:
+    if time.monotonic() < ctl.engine.spin_off_until:
         assert not spins, f"{len(spins)} spins while the spin was off"
-    ctl._spin_off_until = 0.0  # the cool-down over: spins again
+    ctl.engine.spin_off_until = 0.0  # the cool-down over: spins again
     for _ in range(20):
         one.noop.call_one().get(timeout=30)
     assert spins, "no spin after the cool-down"
@@ -177,7 +174,7 @@ def test_spin_off_still_answers(sleeper, monkeypatch) -> None:
     pm, one = sleeper
     ctl = pm.controller
     ctl.spin_s = 0.0
-    monkeypatch.setattr(ctl, "_spin", lambda s: pytest.fail("spun with spin_s = 0"))
+    monkeypatch.setattr(ctl.engine, "spin", lambda s: pytest.fail("spun with spin_s = 0"))
     assert [one.noop.call_one().get(timeout=30) for _ in range(50)] == [None] * 50
     assert one.nap.call_one(0.01).get(timeout=30) == 0.01
 
@@ -187,35 +184,33 @@ def test_no_spin_on_one_core(sleeper, monkeypatch) -> None:
     pm, one = sleeper
     ctl = pm.controller
     spins = _count_spins(ctl, monkeypatch)
-    monkeypatch.setattr(ctl, "_cores", 8)  # (whatever this machine has)
+    monkeypatch.setattr(ctl.io, "cores", 8)  # (whatever this machine has)
     for _ in range(20):
         one.noop.call_one().get(timeout=30)
     # (a call whose reply the I/O thread read first needs no spin: most do spin)
     assert spins, "no call spun on an idle machine"
     spins.clear()
-    monkeypatch.setattr(ctl, "_cores", 1)
+    monkeypatch.setattr(ctl.io, "cores", 1)
     assert [one.noop.call_one().get(timeout=30) for _ in range(20)] == [None] * 20
     assert not spins
 
 
 def test_no_spin_while_busy_ranks_outnumber_the_cores(monkeypatch) -> None:
-    from monarch_kernel.controller import io as controller_io
-
     # (this test is about the busy-ranks rule: a yield kept long by a loaded machine
     # must not turn the spin off for a second, the contended-core rule, meanwhile)
-    monkeypatch.setattr(controller_io, "CONTENDED_S", 10.0)
+    monkeypatch.setattr(engine_mod, "CONTENDED_S", 10.0)
     pm = spawn_procs(3)
     try:
         ctl = pm.controller
         mesh = pm.spawn("sleepers", Sleeper)
         spins = _count_spins(ctl, monkeypatch)
-        monkeypatch.setattr(ctl, "_cores", 2)  # 3 busy ranks, 2 cores: sleep at once
+        monkeypatch.setattr(ctl.io, "cores", 2)  # 3 busy ranks, 2 cores: sleep at once
         for _ in range(10):
             mesh.noop.call().get(timeout=30)
         # (once a rank answered, 2 busy ranks on 2 cores may spin)
         assert all(busy <= 2 for _, busy in spins), spins
         spins.clear()
-        monkeypatch.setattr(ctl, "_cores", 3)
+        monkeypatch.setattr(ctl.io, "cores", 3)
         for _ in range(10):
             mesh.noop.call().get(timeout=30)
         assert any(busy == 3 for _, busy in spins), spins
