@@ -63,6 +63,7 @@ from monarch_kernel.wire.messages import (
 )
 from monarch_kernel.wire.serialize import Packed, cuda_ipc
 from monarch_kernel.worker import handlers, telemetry
+from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -479,9 +480,7 @@ def actor_point() -> tuple[Point, dict[str, int]] | None:
     inst = getattr(context, "actor", None)
     if inst is not None:
         return inst.point, inst.sizes
-    from monarch_kernel.worker import worker as _worker
-
-    w = _worker.current
+    w = current_worker()
     if w is not None:
         shape = Shape(w.shape)
         return next(p for p in shape.points() if p.rank == w.rank), shape.dims
