@@ -32,8 +32,9 @@ shared through the worker's I/O itself (``WorkerIO.share``), not here.
 from __future__ import annotations
 
 import enum
+import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +49,7 @@ __all__ = [
     "StartHook",
     "Thread",
     "lookup",
+    "register_deferred",
     "register_io",
     "register_request",
     "register_start",
@@ -104,6 +106,9 @@ class Handler:
 _lock = threading.Lock()
 _handlers: dict[str, Handler] = {}
 _start_hooks: list[StartHook] = []
+#: message type -> the modules (by name) that register its handler, loaded on first use
+_deferred: dict[str, tuple[str, ...]] = {}
+_load_lock = threading.Lock()
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -143,9 +148,47 @@ def register_request(type: str, fn: RequestHandler) -> None:
     _register(Handler(type, Thread.MAIN, fn))
 
 
+def register_deferred(types: Iterable[str], modules: Iterable[str]) -> None:
+    """Load ``modules`` (importable names) when the first message of one of
+    ``types`` arrives; importing them registers the handlers.
+
+    This is how a worker process's composition root (:mod:`monarch_kernel.plugins`)
+    plugs features in without the worker paying for their imports at start: a
+    mesh that never runs an actor never imports the actor layer. The worker core
+    itself names no feature.
+    """
+    mods = tuple(modules)
+    with _lock:
+        for t in types:
+            _deferred[t] = mods
+
+
+def _load_deferred(type: str) -> None:
+    with _load_lock:  # (one thread imports; the others then find the handler)
+        mods = _deferred.get(type)
+        if mods is None:
+            return
+        for name in mods:
+            importlib.import_module(name)
+        with _lock:
+            for t in [t for t, m in _deferred.items() if m == mods]:
+                del _deferred[t]
+
+
 def lookup(type: str) -> Handler | None:
-    """The handler of ``type`` messages, or None (any thread; lock-free read)."""
-    return _handlers.get(type)
+    """The handler of ``type`` messages, or None (any thread). A type registered
+    with :func:`register_deferred` loads its modules on the first lookup.
+
+    Raises
+    ------
+    ImportError
+        If a deferred module cannot be imported (a broken installation).
+    """
+    handler = _handlers.get(type)
+    if handler is None and type in _deferred:
+        _load_deferred(type)
+        handler = _handlers.get(type)
+    return handler
 
 
 def register_start(hook: StartHook) -> None:

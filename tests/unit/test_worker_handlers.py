@@ -56,3 +56,22 @@ def test_the_worker_module_is_not_a_program() -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode != 0
     assert "python -m monarch_kernel worker" in out.stderr
+
+
+def test_features_load_on_the_first_message_that_needs_them() -> None:
+    # a worker that only runs cells never imports the actor layer; the first actor
+    # message loads it (and the tensor store, which keeps .rref() results)
+    code = ("import sys\n"
+            "from monarch_kernel import plugins\n"
+            "from monarch_kernel.worker import handlers\n"
+            "before = [m for m in ('monarch_kernel.actor.host', 'monarch_kernel.tensors.store',\n"
+            "                      'monarch_kernel.mesh.dist_setup') if m in sys.modules]\n"
+            "h = handlers.lookup('spawn_actor')\n"
+            "after = [m for m in ('monarch_kernel.actor.host', 'monarch_kernel.actor.peers',\n"
+            "                     'monarch_kernel.tensors.store') if m in sys.modules]\n"
+            "print(before, h.thread.name, after, 'monarch_kernel.mesh.dist_setup' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.split("\n")[0] == (
+        "[] MAIN ['monarch_kernel.actor.host', 'monarch_kernel.actor.peers', "
+        "'monarch_kernel.tensors.store'] False"), out.stdout + out.stderr
