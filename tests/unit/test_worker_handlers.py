@@ -69,7 +69,8 @@ def test_features_load_on_the_first_message_that_needs_them() -> None:
             "h = handlers.lookup('spawn_actor')\n"
             "after = [m for m in ('monarch_kernel.actor.host', 'monarch_kernel.actor.peers',\n"
             "                     'monarch_kernel.tensors.store') if m in sys.modules]\n"
-            "print(before, h.thread.name, after, 'monarch_kernel.mesh.dist_setup' in sys.modules)\n")
+            "dist = 'monarch_kernel.mesh.dist_setup' in sys.modules\n"
+            "print(before, h.thread.name, after, dist)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.split("\n")[0] == (
