@@ -132,7 +132,7 @@ class _ActorInstance:
         self.queue.put(item)
         me = threading.get_ident()  # (the thread that leads checks the queue itself)
         if self.leading and me != self.thread.ident and getattr(
-                self.worker, "_leader", None) != me:
+                self.worker, "leader", None) != me:
             wake = getattr(self.worker, "wake", None)
             if wake is not None:
                 wake()

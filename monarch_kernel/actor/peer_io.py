@@ -38,7 +38,7 @@ READ_WAIT_S = 0.005
 
 class PeerIOHost(Protocol):
     """What :class:`PeerIO` uses of its :class:`~monarch_kernel.actor.peers.PeerHost`
-    (the lane bookkeeping it shares with the host's callers keeps the host's names)."""
+    (the lane bookkeeping it shares with the host's callers, under ``lanes_lock``)."""
 
     rank: int
     worker: Any
@@ -50,13 +50,13 @@ class PeerIOHost(Protocol):
     outbox: Any
     messages_out: int
     messages_led: int
-    _lanes_lock: threading.Lock  # (replaced in a forked child: read it each time)
-    _lane_to: dict[str, _lane.Lane | None]
-    _lane_addrs: dict[_lane.Lane, str]
-    _new_lanes: list[_lane.Lane]
-    _accepted: dict[bytes, _lane.Lane]
-    _codec_of_addr: dict[str, Any]
-    _ident: bytes
+    lanes_lock: threading.Lock  # (replaced in a forked child: read it each time)
+    lane_to: dict[str, _lane.Lane | None]
+    lane_addrs: dict[_lane.Lane, str]
+    new_lanes: list[_lane.Lane]
+    accepted: dict[bytes, _lane.Lane]
+    codec_of_addr: dict[str, Any]
+    identity: bytes
 
     def incoming(self, frames: list[Any], lane: bytes | None = None) -> None:
         """Handle a call (or event) from a peer: by the ROUTER, or on lane ``lane``."""
@@ -151,7 +151,7 @@ class PeerIO:
 
     def close_later(self, lane: _lane.Lane) -> None:
         """Have the I/O thread close ``lane`` (any thread)."""
-        with self.host._lanes_lock:
+        with self.host.lanes_lock:
             self._dead_lanes.append(lane)
         try:
             self.to_io([b"n"])
@@ -169,7 +169,7 @@ class PeerIO:
 
     def _on_dealer(self, sock: zmq.Socket) -> None:
         h = self.host
-        codec = h._codec_of_addr.get(self._addr_of[sock], h.codec)
+        codec = h.codec_of_addr.get(self._addr_of[sock], h.codec)
         for frames in drain(sock, small=1):  # [envelope, buffers...]
             h.reply(frames, codec)
 
@@ -188,7 +188,7 @@ class PeerIO:
                 s = self.dealers.get(addr)
                 if s is None:
                     endpoint, _, key = addr.partition(";")[0].partition("|")
-                    s = self.dealers[addr] = connect_dealer(h.ctx, endpoint, h._ident,
+                    s = self.dealers[addr] = connect_dealer(h.ctx, endpoint, h.identity,
                                                             key.encode() or None)
                     self._addr_of[s] = addr
                     self.engine.add(s, self._on_dealer)
@@ -202,8 +202,8 @@ class PeerIO:
         """Watch the peer lanes that callers made; close those to dead ranks (the
         I/O thread, told by an ``n``)."""
         h = self.host
-        with h._lanes_lock:
-            new, h._new_lanes[:] = list(h._new_lanes), []
+        with h.lanes_lock:
+            new, h.new_lanes[:] = list(h.new_lanes), []
             dead, self._dead_lanes = self._dead_lanes, []
         for lane in new:
             self.watch(lane)
@@ -237,7 +237,7 @@ class PeerIO:
             ident = peer_lanes.LANE_IDENT + str(next(peer_lanes.accepted_ids)).encode()
             lane = _lane.Lane(sock, f"peer lane {ident!r}", identity=ident,
                               limit=h.lane_limit())
-            h._accepted[ident] = lane
+            h.accepted[ident] = lane
             self.watch(lane)
 
     def _listen(self, now: float) -> None:
@@ -266,11 +266,11 @@ class PeerIO:
         fd = lane.fileno()
         shared = False
         if self.worker_poller() is not None:
-            with h._lanes_lock:
+            with h.lanes_lock:
                 self.shared[fd] = lane
             shared = h.worker.io.share(fd, self.read_shared)
             if not shared:  # (the worker is stopping: its poller is closed)
-                with h._lanes_lock:
+                with h.lanes_lock:
                     self.shared.pop(fd, None)
         self.lanes[fd] = lane
         self.engine.add(fd, self._on_lane, exclusive=shared)
@@ -295,7 +295,7 @@ class PeerIO:
         """Stop the worker's leading threads watching ``lane`` (at its end: else
         they would be woken by it at every poll); False if they did not."""
         h = self.host
-        with h._lanes_lock:  # (only this lane: its fd may be another's by now)
+        with h.lanes_lock:  # (only this lane: its fd may be another's by now)
             if self.shared.get(fd) is not lane:
                 return False
             del self.shared[fd]
@@ -324,8 +324,8 @@ class PeerIO:
                     return None
         count = 0
         held = True
-        codec = h.codec if lane.identity else h._codec_of_addr.get(
-            h._lane_addrs.get(lane, ""), h.codec)
+        codec = h.codec if lane.identity else h.codec_of_addr.get(
+            h.lane_addrs.get(lane, ""), h.codec)
         try:
             while True:
                 messages: list[Any] = []
@@ -369,10 +369,10 @@ class PeerIO:
             del self.lanes[fd]
             lane.close()
             if lane.identity:
-                h._accepted.pop(lane.identity, None)
+                h.accepted.pop(lane.identity, None)
             else:
-                with h._lanes_lock:  # a later message tries again, else ZeroMQ
-                    h._lane_addrs.pop(lane, None)
-                    for addr, other in list(h._lane_to.items()):
+                with h.lanes_lock:  # a later message tries again, else ZeroMQ
+                    h.lane_addrs.pop(lane, None)
+                    for addr, other in list(h.lane_to.items()):
                         if other is lane:
-                            del h._lane_to[addr]
+                            del h.lane_to[addr]

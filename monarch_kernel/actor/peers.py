@@ -68,7 +68,7 @@ from monarch_kernel.worker import handlers
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
-#: ``_lane_to``'s answer for a peer not dialled yet (None: dialled, no lane to be had)
+#: ``lane_to``'s answer for a peer not dialled yet (None: dialled, no lane to be had)
 _NOT_DIALLED: Any = object()
 
 _host: PeerHost | None = None
@@ -118,8 +118,8 @@ def stats() -> dict[str, int]:
     if h is None:
         return {"in": 0, "out": 0, "led": 0, "lanes_out": 0, "lanes_in": 0}
     return {"in": h.messages_in, "out": h.messages_out, "led": h.messages_led,
-            "lanes_out": sum(1 for v in list(h._lane_to.values()) if v is not None),
-            "lanes_in": len(h._accepted)}
+            "lanes_out": sum(1 for v in list(h.lane_to.values()) if v is not None),
+            "lanes_in": len(h.accepted)}
 
 
 def _bind_host(controller_address: str) -> str:
@@ -180,16 +180,16 @@ class PeerHost:
         # peer lanes: this worker's connections to peers' listeners (address -> lane,
         # None where none can be made), those that peers made to it (identity -> lane),
         # and connections made by callers' threads that the I/O thread has yet to watch
-        self._lane_to: dict[str, _lane.Lane | None] = {}
+        self.lane_to: dict[str, _lane.Lane | None] = {}
         #: codecs of other meshes of this program, by fingerprint (mesh_keys.py), and the
         #: one that checks the replies coming from each peer address of those meshes
         self._codecs: dict[str, Any] = {}
-        self._codec_of_addr: dict[str, Any] = {}
-        self._lane_addrs: dict[_lane.Lane, str] = {}  # lanes this worker made -> address
-        self._accepted: dict[bytes, _lane.Lane] = {}
-        self._new_lanes: list[_lane.Lane] = []
-        self._lanes_lock = threading.Lock()
-        self._ident = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
+        self.codec_of_addr: dict[str, Any] = {}
+        self.lane_addrs: dict[_lane.Lane, str] = {}  # lanes this worker made -> address
+        self.accepted: dict[bytes, _lane.Lane] = {}
+        self.new_lanes: list[_lane.Lane] = []
+        self.lanes_lock = threading.Lock()
+        self.identity = f"p{worker.rank}-{os.getpid()}-{secrets.token_hex(3)}".encode()
         #: the I/O: the peer thread, sockets and lanes (monarch_kernel.actor.peer_io)
         self.io = PeerIO(self)
         self._thread = self.io.thread
@@ -217,7 +217,7 @@ class PeerHost:
                 raise failure
         if codec is not self.codec:
             for r in ranks:  # (replies from there are checked with that mesh's key)
-                self._codec_of_addr[peers[r]] = codec
+                self.codec_of_addr[peers[r]] = codec
         mid = codec.new_id()
         names: list[str] = []
         # same host (the peers bind the same address as this worker): large buffers go
@@ -239,7 +239,7 @@ class PeerHost:
         for r in ranks:
             self.send_to(peers[r], frames)
         if req is not None and self.io.worker_poller() is not None and all(
-                self._lane_to.get(peers[r]) for r in ranks):
+                self.lane_to.get(peers[r]) for r in ranks):
             # the replies come on lanes: the caller's thread may read them itself while
             # it waits (worker_io.lead_wait), woken if another thread read them first
             req.waiter = self.worker.lead_wait
@@ -261,7 +261,7 @@ class PeerHost:
         if codec is None:
             check_known(self.worker, mesh, "the callee")
             key = self.worker.keyring[mesh]
-            with self._lanes_lock:
+            with self.lanes_lock:
                 codec = self._codecs.get(mesh)
                 if codec is None:
                     codec = self._codecs[mesh] = self.codec.rekeyed(key)
@@ -272,9 +272,9 @@ class PeerHost:
         still waiting on it (any thread)."""
         codec = self._codecs.pop(mesh, None)
         if codec is not None:  # (the addresses of that mesh: their codec goes with it)
-            for addr, c in list(self._codec_of_addr.items()):
+            for addr, c in list(self.codec_of_addr.items()):
                 if c is codec:
-                    self._codec_of_addr.pop(addr, None)
+                    self.codec_of_addr.pop(addr, None)
         failure = MeshFailure("the process mesh of that actor mesh was stopped")
         with self._lock:
             waiting = [q for q in self.pending.values() if q.mesh == mesh]
@@ -288,7 +288,7 @@ class PeerHost:
         peer lane where one can be had, else through the I/O thread's DEALER.
         A message to a peer that is gone is dropped (its callers learn of the
         death from the controller, :meth:`fail_rank`)."""
-        lane = self._lane_to.get(address, _NOT_DIALLED)
+        lane = self.lane_to.get(address, _NOT_DIALLED)
         if lane is _NOT_DIALLED:
             lane = self._connect(address)
         if lane is None:
@@ -304,7 +304,7 @@ class PeerHost:
         """Send signed ``frames`` back where the message that came by ``route``
         came from (any thread): its peer lane, or the ROUTER's identity."""
         if len(route) == 1 and route[0].startswith(peer_lanes.LANE_IDENT):
-            lane = self._accepted.get(route[0])
+            lane = self.accepted.get(route[0])
             if lane is not None:
                 try:
                     lane.send(frames)
@@ -325,13 +325,13 @@ class PeerHost:
         if (name and self.listener is not None
                 and address_host(address) == address_host(self.address)):
             lane = peer_lanes.dial(name, f"peer lane to {address}", self.lane_limit())
-        with self._lanes_lock:  # (two threads may have dialled at once: one lane is kept)
-            kept = self._lane_to.get(address, _NOT_DIALLED)
+        with self.lanes_lock:  # (two threads may have dialled at once: one lane is kept)
+            kept = self.lane_to.get(address, _NOT_DIALLED)
             if kept is _NOT_DIALLED:
-                self._lane_to[address] = kept = lane
+                self.lane_to[address] = kept = lane
                 if lane is not None:
-                    self._new_lanes.append(lane)
-                    self._lane_addrs[lane] = address  # (its replies' codec: _codec_of_addr)
+                    self.new_lanes.append(lane)
+                    self.lane_addrs[lane] = address  # (its replies' codec: codec_of_addr)
         if kept is not lane and lane is not None:
             lane.close()
         elif lane is not None:
@@ -352,8 +352,8 @@ class PeerHost:
         if mesh == self.codec.fingerprint:
             mesh = None
         if mesh is not None and address:  # (no reply comes from there any more)
-            self._codec_of_addr.pop(address, None)
-        lane = self._lane_to.get(address) if address else None
+            self.codec_of_addr.pop(address, None)
+        lane = self.lane_to.get(address) if address else None
         if lane is not None:  # (a hung process's lane: closed by the I/O thread)
             self.io.close_later(lane)
         with self._lock:
@@ -417,7 +417,7 @@ def _after_fork_in_child() -> None:
     """A forked child (a DataLoader's worker) does not keep the lane listener:
     the name would outlive the worker, taking connections nobody reads."""
     for h in list(_hosts):
-        h._lanes_lock = threading.Lock()
+        h.lanes_lock = threading.Lock()
         h._lock = threading.Lock()
         if h.listener is not None:
             h.listener[0].close()

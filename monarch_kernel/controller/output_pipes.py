@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from monarch_kernel.controller.request import RankInfo, Request, _Pipe
+from monarch_kernel.controller.request import Pipe, RankInfo, Request
 from monarch_kernel.transport.engine import Engine
 
 log = logging.getLogger("monarch_kernel.controller.controller")
@@ -55,7 +55,7 @@ class RankOutput:
     def __init__(self, host: OutputHost, engine: Engine) -> None:
         self.host = host
         self.engine = engine
-        self.pipes: dict[int, _Pipe] = {}  # fd -> pipe (the thread that leads only)
+        self.pipes: dict[int, Pipe] = {}  # fd -> pipe (the thread that leads only)
         self._rank_polls: dict[int, select.poll] = {}  # rank -> poll of its pipes
         self._lock = threading.Lock()
 
@@ -68,7 +68,7 @@ class RankOutput:
         closes them at EOF.
         """
         for fd, name in ((stdout_fd, "stdout"), (stderr_fd, "stderr")):
-            pipe = _Pipe(rank, name, fd)
+            pipe = Pipe(rank, name, fd)
             with self._lock:
                 self.pipes[fd] = pipe
                 if rank not in self._rank_polls:
@@ -81,7 +81,7 @@ class RankOutput:
         if pipe is not None:
             self.read(pipe)
 
-    def read(self, pipe: _Pipe) -> None:
+    def read(self, pipe: Pipe) -> None:
         """Forward what is in ``pipe`` now; close it at EOF (the thread that leads)."""
         while True:
             try:

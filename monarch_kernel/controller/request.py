@@ -2,7 +2,7 @@
 
 :class:`RankInfo` is the registry entry of one rank; :class:`Request` is one
 request sent to some ranks, with everything that comes back for it (replies,
-output events, failure); :class:`_Pipe` is the read end of a local worker's
+output events, failure); :class:`Pipe` is the read end of a local worker's
 output pipe. :mod:`monarch_kernel.controller.controller` fills them in.
 """
 
@@ -24,7 +24,7 @@ from monarch_kernel.util.flag import Flag
 
 log = logging.getLogger("monarch_kernel.controller.controller")
 
-__all__ = ["RankInfo", "Request"]
+__all__ = ["Pipe", "RankInfo", "Request"]
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RankInfo:
         return f"exited with code {self.exitcode}"
 
 
-class _Pipe:
+class Pipe:
     """The read end of a local worker's stdout or stderr pipe."""
 
     __slots__ = ("decoder", "fd", "name", "rank")

@@ -231,7 +231,7 @@ class Worker:
 
     # ------------------------------------------------------------------ I/O
     @property
-    def _leader(self) -> int | None:
+    def leader(self) -> int | None:
         """The ident of the thread that leads the I/O now (None: nobody)."""
         return self.io.engine.leader
 

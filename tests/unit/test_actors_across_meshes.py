@@ -221,7 +221,7 @@ class Keys(Actor):
         h = actor_peers._host
         return {"keyring": len(worker.current.keyring),
                 "codecs": len(h._codecs) if h else 0,
-                "codec_of_addr": len(h._codec_of_addr) if h else 0}
+                "codec_of_addr": len(h.codec_of_addr) if h else 0}
 
 
 def test_a_stopped_meshs_key_and_codecs_are_let_go():

@@ -60,7 +60,7 @@ def test_a_listener_that_is_not_the_peers_process_is_refused():
         s = socket.socket(socket.AF_UNIX); s.bind("\\0" + fake); s.listen(1)
         print("other pid:", _dial(fake, "t", 1 << 20))
         addr = f"tcp://127.0.0.1:5555;{fake}"
-        print("lane to it:", h._connect(addr), "kept:", h._lane_to[addr])
+        print("lane to it:", h._connect(addr), "kept:", h.lane_to[addr])
         # a peer on another host is never dialled, whatever its name
         far = f"tcp://10.99.99.99:5555;{h.listener[1]}"
         print("lane to another host:", h._connect(far))
@@ -177,9 +177,9 @@ def test_a_huge_claim_under_a_memory_limit_loses_that_lane_only():
         time.sleep(1.0)
         v = socket.socket(socket.AF_UNIX); v.settimeout(5); v.connect("\\0" + h.listener[1])
         deadline = time.monotonic() + 10
-        while len(h._accepted) < 2 and time.monotonic() < deadline:
+        while len(h.accepted) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        print("alive", h._thread.is_alive(), "accepted", len(h._accepted))
+        print("alive", h._thread.is_alive(), "accepted", len(h.accepted))
     """)
     assert out.strip() == "alive True accepted 2"
 
@@ -193,12 +193,12 @@ def test_a_rank_declared_dead_has_its_lane_closed():
         addr = b.address
         lane = a._connect(addr)
         deadline = time.monotonic() + 10
-        while len(b._accepted) < 1 and time.monotonic() < deadline:
+        while len(b.accepted) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         a.fail_rank(1, addr, "rank 1 missed its heartbeats")
-        while (addr in a._lane_to or len(b._accepted)) and time.monotonic() < deadline:
+        while (addr in a.lane_to or len(b.accepted)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        print("closed", lane.eof and addr not in a._lane_to, "callee saw eof", not b._accepted)
+        print("closed", lane.eof and addr not in a.lane_to, "callee saw eof", not b.accepted)
         try:
             a.request([1], {1: addr}, {"a": "x", "m": "y"}, oneway=False)
         except Exception as e:

@@ -235,8 +235,8 @@ def test_input_that_woke_a_thread_which_gave_up_the_lane_is_read_by_its_holder()
         codec = None
 
         def __init__(self) -> None:
-            self._codec_of_addr: dict = {}
-            self._lane_addrs: dict = {}
+            self.codec_of_addr: dict = {}
+            self.lane_addrs: dict = {}
             self.got: list[bytes] = []
             self.first = threading.Event()
             self.go_on = threading.Event()
