@@ -97,7 +97,7 @@ def check_known(w: Any, mesh: str | None, what: str) -> None:
 def _others(ctl: Any) -> list[Any]:
     """This process's live controllers, but ``ctl``."""
     with _lock:
-        return [c for c in _live if c is not ctl and not c.stopping and not c._closed.is_set()]
+        return [c for c in _live if c is not ctl and not c.stopping and not c.closed]
 
 
 def _secure(ctl: Any) -> bool:
@@ -123,7 +123,7 @@ def ring_for(ctl: Any) -> dict[str, bytes]:
     w = _current_worker()
     if w is not None:
         ring.update(getattr(w, "keyring", {}))
-        ring[w.codec.fingerprint] = w.codec._key
+        ring[w.codec.fingerprint] = w.codec.key
     ring.pop(ctl.codec.fingerprint, None)
     return ring
 

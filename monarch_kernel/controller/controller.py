@@ -169,8 +169,8 @@ class Controller:
         self.engine: Engine = self.io.engine
         #: the output pipes of local workers (monarch_kernel.controller.output_pipes)
         self.output = RankOutput(self, self.engine)
-        self._lane_of = self.io.lane_of  # rank -> its current lane
-        self._lanes = self.io.lanes  # fd -> lane
+        self.lane_of = self.io.lane_of  # rank -> its current lane
+        self.lanes = self.io.lanes  # fd -> lane
         self.io.start()
 
     # ------------------------------------------------------------ the I/O
@@ -188,6 +188,11 @@ class Controller:
     def spin_contended(self) -> int:
         """How many times a contended core turned the spin off."""
         return self.engine.spin_contended
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the controller's sockets are gone)."""
+        return self._closed.is_set()
 
     def wait_for(self, event: Flag | threading.Event, timeout: float | None = None) -> bool:
         """Wait until ``event`` is set, leading the I/O meanwhile
@@ -265,7 +270,7 @@ class Controller:
         for r in ranks:
             info = self.ranks.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
-                lane = self._lane_of.get(r)
+                lane = self.lane_of.get(r)
                 if lane is not None:
                     if prepared is None:
                         prepared = lane_prepare(frames)

@@ -105,7 +105,7 @@ class ProcMesh:
         if self.root._stopped:
             return "stopped"
         ctl = self.root.controller
-        laned = sum(1 for r in self.ranks if r in ctl._lane_of)
+        laned = sum(1 for r in self.ranks if r in ctl.lane_of)
         return "lanes" if laned == len(self.ranks) else "zeromq" if not laned else "mixed"
 
     @property

@@ -191,6 +191,8 @@ class Codec:
         #: names the mesh this codec's key belongs to (16 hex digits; the key itself
         #: cannot be learned from it): handles of actors and buffers carry it, so a
         #: process of another mesh, which cannot sign for this one, refuses them at once
+        #: the mesh's HMAC key (handed to this program's other meshes: mesh_keys)
+        self.key = key
         self.fingerprint = hashlib.sha256(b"monarch-mesh:" + key).hexdigest()[:16]
         self.sender = sender
         self.max_header = max_header

@@ -224,7 +224,7 @@ def test_a_local_mesh_talks_through_lanes_with_output_and_big_values() -> None:
     try:
         ctl = m.controller
         assert m.transport == "lanes"
-        assert sorted(ctl._lane_of) == [0, 1]
+        assert sorted(ctl.lane_of) == [0, 1]
         assert all(ctl.ranks[r].identity.startswith(b"lane.") for r in (0, 1))
         am = m.spawn("echo", Echo)
         payload = list(range(300_000))  # a big pickle (no out-of-band buffer)
@@ -237,7 +237,7 @@ def test_a_local_mesh_talks_through_lanes_with_output_and_big_values() -> None:
         assert am.shout.call(500).get().values() == [500, 500]
     finally:
         m.stop()
-    assert all(lane._closed for lane in [*ctl._lanes.values(), *ctl._lane_of.values()])
+    assert all(lane._closed for lane in [*ctl.lanes.values(), *ctl.lane_of.values()])
     wait_for(lambda: not worker_pids(os.getpid()), 10)
 
 
@@ -246,13 +246,13 @@ def test_a_killed_rank_is_seen_and_its_restart_gets_a_new_lane() -> None:
     try:
         ctl = m.controller
         am = m.spawn("echo", Echo)
-        old = ctl._lane_of[1]
+        old = ctl.lane_of[1]
         pid = am.slice(procs=1).pid.call_one().get()
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: ctl.ranks[1].state == "dead", 10)
-        wait_for(lambda: old.fileno() not in ctl._lanes, 10)  # read to its end, closed
+        wait_for(lambda: old.fileno() not in ctl.lanes, 10)  # read to its end, closed
         m.restart("1")  # (a rank spec, as %mesh restart takes)
-        assert ctl._lane_of[1] is not old
+        assert ctl.lane_of[1] is not old
         am = m.spawn("echo2", Echo)
         assert am.echo.call("again").get().values() == ["again", "again"]
     finally:
@@ -265,7 +265,7 @@ def test_lanes_off_falls_back_to_zeromq(monkeypatch) -> None:
     try:
         ctl = m.controller
         assert m.transport == "zeromq"
-        assert not ctl._lane_of
+        assert not ctl.lane_of
         assert not any(ctl.ranks[r].identity.startswith(b"lane.") for r in (0, 1))
         am = m.spawn("echo", Echo)
         assert am.echo.call(7).get().values() == [7, 7]
