@@ -5,7 +5,12 @@ front ends (JupyterLab, nbclient, ``jupyter console``) find it by name
 (``monarch`` by default) and start the kernel with the command in its
 ``argv``::
 
-    python -m monarch_kernel.kernel -f {connection_file}
+    python -Xfrozen_modules=off -m monarch_kernel.kernel -f {connection_file}
+
+``-Xfrozen_modules=off`` is what ipykernel's own kernelspec passes on
+CPython: with frozen standard modules, debugpy (which ipykernel imports at
+start) writes a "frozen modules" warning to the kernel's stderr, and that
+reaches the notebook as a stream message.
 
 This module imports nothing from the rest of ``monarch_kernel``, so the
 kernelspec can be installed before (or without) the mesh machinery being
@@ -15,6 +20,7 @@ importable. Modelled on ``ipykernel/kernelspec.py``.
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import sys
 import tempfile
@@ -62,6 +68,7 @@ def get_kernel_dict(
     return {
         "argv": [
             executable or sys.executable,
+            *(["-Xfrozen_modules=off"] if platform.python_implementation() == "CPython" else []),
             "-m",
             "monarch_kernel.kernel",
             "-f",

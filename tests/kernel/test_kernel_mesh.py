@@ -198,7 +198,8 @@ def test_kernelspec_install_cli(tmp_path):
 
     data = json.loads((spec / "kernel.json").read_text())
     assert data["display_name"] == "Monarch (mesh)"
-    assert data["argv"][1:3] == ["-m", "monarch_kernel.kernel"]
+    # as ipykernel's own kernelspec: no debugpy "frozen modules" warning in the notebook
+    assert data["argv"][1:4] == ["-Xfrozen_modules=off", "-m", "monarch_kernel.kernel"]
     assert (spec / "logo-64x64.png").exists()
 
 
