@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything monarch_kernel needs, in ./.venv: CPU torch, the package
-# (editable, with test extras) and the Jupyter kernelspec "monarch".
+# (editable, with the test, lint and docs extras) and the Jupyter kernelspec "monarch".
 # Idempotent: a second run with an unchanged pyproject.toml does almost nothing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,7 +25,7 @@ if [ ! -x "$PY" ]; then
     "$BASE_PY" -m venv "$VENV" || die "could not create a venv (on Debian/Ubuntu: apt-get install python3-venv)"
 fi
 
-want_stamp="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $PY"
+want_stamp="$(cat pyproject.toml scripts/setup.sh monarch_kernel/kernel/kernelspec.py | sha256sum | cut -d' ' -f1) $PY"
 spec_json="$VENV/share/jupyter/kernels/monarch/kernel.json"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] && [ -f "$spec_json" ] \
         && grep -qF "\"$PY\"" "$spec_json"; then
@@ -50,8 +50,8 @@ else
     Install a torch >= 2.1 into $VENV yourself, or set MONARCH_TORCH_SPEC, and rerun."
 fi
 
-# 4. The package itself, editable, with the test extras.
-say "installing monarch-kernel (editable, with [test,lint] extras)"
+# 4. The package itself, editable, with the test, lint and docs extras.
+say "installing monarch-kernel (editable, with [test,lint,docs] extras)"
 "$PY" -m pip install -q -e ".[test,lint,docs]" || die "pip install -e .[test,lint,docs] failed"
 
 # 5. The kernelspec, into the venv (found by jupyter/nbclient run from the venv).

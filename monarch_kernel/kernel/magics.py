@@ -180,7 +180,7 @@ class MeshMagics(Magics):
             try:
                 return command(names[0]).help_text()
             except KeyError:
-                pass
+                return f"unknown command {names[0]!r}; the commands are:\n{usage_text()}"
         return usage_text()
 
     # ------------------------------------------------------------ commands

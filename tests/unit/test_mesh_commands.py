@@ -92,6 +92,9 @@ def test_the_magic_prints_the_generated_help(shell, capsys):
     for line in ("help spawn", "spawn --help", "spawn -h"):
         shell.run_line_magic("mesh", line)
         assert capsys.readouterr().out.strip() == command("spawn").help_text(), line
+    shell.run_line_magic("mesh", "help nosuch")  # a typo: said, then the list
+    assert capsys.readouterr().out.strip() == (
+        f"unknown command 'nosuch'; the commands are:\n{usage_text()}")
 
 
 def test_the_magic_names_its_commands_for_an_unknown_one(shell):
