@@ -216,7 +216,7 @@ def test_a_callback_of_a_failed_batch_does_not_overtake_held_calls(monkeypatch):
         beat = ctl.codec.encode("heartbeat")
 
         def connection_gone() -> bool:
-            lane = ctl._lane_of.get(0)  # (a local rank's lane, monarch_kernel.transport.lane)
+            lane = ctl.lane_of.get(0)  # (a local rank's lane, monarch_kernel.transport.lane)
             if lane is None:
                 return not ctl.send_down(ctl.ranks[0].identity, beat, retry=0)
             try:

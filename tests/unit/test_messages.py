@@ -71,7 +71,7 @@ def test_named_keys_pickle_as_the_letters() -> None:
 def test_rank_dead_is_its_own_message():
     codec = protocol.Codec(protocol.new_key(), "ctl")
     notice = RankDead(rank=3, addr="tcp://127.0.0.1:5555", reason="exit code 1")
-    msg = protocol.Codec(codec._key, "r0").decode(codec.encode("rank_dead", notice))
+    msg = protocol.Codec(codec.key, "r0").decode(codec.encode("rank_dead", notice))
     assert msg.type == "rank_dead"
     assert msg.content == {"rank": 3, "addr": "tcp://127.0.0.1:5555", "reason": "exit code 1"}
     assert "sys" not in msg.content
