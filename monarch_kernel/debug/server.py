@@ -58,6 +58,9 @@ from typing import IO, Any, cast
 from monarch_kernel.actor.context import current_actor
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.worker import handlers, telemetry
+from monarch_kernel.worker.worker import (
+    cut_debugger_frames,  # (re-exported: the debugger's view of it)
+)
 
 __all__ = [
     "RemotePdb",
@@ -429,28 +432,6 @@ def breakpointhook(*args: Any, **kwargs: Any) -> None:
         p.message(header)
     p.set_trace(sys._getframe().f_back)
     return None
-
-
-def cut_debugger_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without the debugger's frames (from the first ``bdb`` frame on).
-
-    An exception raised while a thread is paused in pdb (an interrupt)
-    travels out through pdb's own frames; the user wants to see the line
-    where the code was paused. Returns a new chain; ``tb`` is not changed.
-    """
-    entries = []
-    t = tb
-    while t is not None:
-        if t.tb_frame.f_globals.get("__name__") == "bdb":
-            break
-        entries.append(t)
-        t = t.tb_next
-    if t is None:
-        return tb
-    out = None
-    for e in reversed(entries):
-        out = types.TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
-    return out
 
 
 def _trim(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -464,7 +464,7 @@ class Worker:
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
         if isinstance(e, KeyboardInterrupt):  # maybe raised in a paused pdb: hide its frames
-            tb = _cut_bdb_frames(tb)
+            tb = cut_debugger_frames(tb)
             if not e.args:
                 e.args = ("interrupted",)
         text = ""
@@ -571,10 +571,13 @@ handlers.register_request("pull", Worker._do_pull)
 handlers.register_request("stop", Worker._do_stop)
 
 
-def _cut_bdb_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without the frames of a paused debugger (from the first ``bdb``
-    frame on; an interrupt raised while pdb waited travels out through them).
-    Returns a new chain; ``tb`` is not changed."""
+def cut_debugger_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the debugger's frames (from the first ``bdb`` frame on).
+
+    An exception raised while a thread is paused in pdb (an interrupt)
+    travels out through pdb's own frames; the user wants to see the line
+    where the code was paused. Returns a new chain; ``tb`` is not changed.
+    """
     entries = []
     t = tb
     while t is not None and t.tb_frame.f_globals.get("__name__") != "bdb":
