@@ -229,13 +229,9 @@ def note_broadcast_failure(uid: str, err: ActorError) -> None:
         rec.failures.append(err)
 
 
-def _current_worker() -> Any:
-    return current_worker()
-
-
 def on_a_rank() -> bool:
     """Whether this process is a worker of a mesh (a rank), not a controller."""
-    return _current_worker() is not None
+    return current_worker() is not None
 
 
 # -------------------------------------------------------------- the mesh
@@ -339,7 +335,7 @@ class ActorMesh(Generic[A]):
         """
         if self._record.procmesh is not None:
             return None
-        w = _current_worker()
+        w = current_worker()
         if w is not None:
             check_known(w, self._mesh, f"actor mesh {self.name!r}")
         return w

@@ -64,10 +64,6 @@ def peer_address(ctl: Any, rank: int) -> str | None:
     return _peer_addrs.get(ctl, {}).get(rank)
 
 
-def _current_worker() -> Any:
-    return current_worker()
-
-
 def check_known(w: Any, mesh: str | None, what: str) -> None:
     """Raise unless worker ``w`` may sign for the mesh whose key's fingerprint
     is ``mesh`` (None or its own mesh: always; another: once introduced).
@@ -120,7 +116,7 @@ def ring_for(ctl: Any) -> dict[str, bytes]:
     if not _secure(ctl):
         return {}
     ring = {c.codec.fingerprint: c.key for c in _others(ctl) if _secure(c)}
-    w = _current_worker()
+    w = current_worker()
     if w is not None:
         ring.update(getattr(w, "keyring", {}))
         ring[w.codec.fingerprint] = w.codec.key
