@@ -14,9 +14,13 @@ from monarch_kernel.worker.telemetry import Sampler
 
 
 def test_uss_is_psutils_figure_for_a_child_process():
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        # sampled once the interpreter is up (a child caught between fork and exec
+        # has almost no private memory yet, and grows by megabytes in the meantime)
+        assert child.stdout.readline().strip() == "ready"
         rec = Sampler(child.pid, gpu=False).sample()
         uss = psutil.Process(child.pid).memory_full_info().uss
         assert rec["uss"] is not None and 0 < rec["uss"] <= rec["rss"]
@@ -25,6 +29,7 @@ def test_uss_is_psutils_figure_for_a_child_process():
     finally:
         child.stdin.close()
         child.wait(timeout=30)
+        child.stdout.close()
 
 
 def test_uss_not_permitted_gives_none_and_the_rest_of_the_record(monkeypatch):
