@@ -24,9 +24,9 @@ def split(frames: list[Any]) -> tuple[bytes, bytes]:
     """(header bytes, payload) of a message's envelope frame (``frames[0]``)."""
     env = bytes(frames[0])
     assert env[:4] == protocol.MAGIC
-    n = int.from_bytes(env[36:40], "little")
-    assert 40 + n <= len(env)
-    return env[40:40 + n], env[40 + n:]
+    n = int.from_bytes(env[52:56], "little")
+    assert 56 + n <= len(env)
+    return env[56:56 + n], env[56 + n:]
 
 
 def fields(header: bytes) -> dict:
@@ -36,9 +36,10 @@ def fields(header: bytes) -> dict:
 
 
 def envelope(header: bytes, payload: bytes, sig: bytes = b"\0" * 32,
-             magic: bytes = protocol.MAGIC) -> bytes:
+             magic: bytes = protocol.MAGIC, epoch: int = 1, seq: int = 1) -> bytes:
     """An envelope frame built by hand, with whatever signature (unsigned variants)."""
-    return magic + sig + len(header).to_bytes(4, "little") + header + payload
+    return (magic + sig + epoch.to_bytes(8, "little") + seq.to_bytes(8, "little")
+            + len(header).to_bytes(4, "little") + header + payload)
 
 
 class Evil:

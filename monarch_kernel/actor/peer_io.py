@@ -34,6 +34,8 @@ __all__ = ["READ_WAIT_S", "PeerIO", "PeerIOHost"]
 
 #: seconds a thread waits for a peer lane that the other thread watching it reads
 READ_WAIT_S = 0.005
+#: messages read from the peer ROUTER socket in one step at most (the rest: next step)
+READ_MAX = 256
 
 
 class PeerIOHost(Protocol):
@@ -101,6 +103,9 @@ class PeerIO:
         # (out of fds: the listener is unwatched for a while, then watched again)
         self._listen_again = self.engine.every(peer_lanes.ACCEPT_RETRY_S, self._listen,
                                                active=False)
+        drops = getattr(host, "drops", None)
+        if drops is not None:  # (the summary of a flood of bad messages that ended)
+            self.engine.every(1.0, drops.tick)
 
     @property
     def thread(self) -> threading.Thread:
@@ -164,8 +169,10 @@ class PeerIO:
             self._forward(frames)
 
     def _on_router(self, router: zmq.Socket) -> None:
-        for frames in drain(router, small=2):  # [identity, envelope, ...]
+        for n, frames in enumerate(drain(router, small=2), 1):  # [identity, envelope, ...]
             self.host.incoming(frames)
+            if n >= READ_MAX:  # (the rest at the next step: the poller asks again)
+                break
 
     def _on_dealer(self, sock: zmq.Socket) -> None:
         h = self.host

@@ -51,6 +51,7 @@ from monarch_kernel.errors import MeshFailure, ProtocolError, SerializationError
 from monarch_kernel.transport import lane as _lane
 from monarch_kernel.transport import peer_lanes
 from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
+from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.messages import (
     ACTOR,
@@ -157,6 +158,8 @@ class PeerHost:
         self.worker = worker
         self.rank = worker.rank
         self.codec = worker.codec.fork(f"r{worker.rank}")
+        #: peer messages refused, counted and reported in few lines (util.droplog)
+        self.drops = DropLog(log, f"rank {worker.rank}", "peer message")
         self.codec.pool = _shm.Pool()
         self.ctx = worker.ctx
         secret = None
@@ -374,7 +377,8 @@ class PeerHost:
             else:
                 msg = self.codec.decode(frames, identity=[lane])
         except ProtocolError as e:
-            log.warning("rank %d dropped a peer message: %s", self.rank, e)
+            peer = lane if lane is not None else bytes(frames[0]) if frames else b""
+            self.drops.drop(getattr(e, "reason", "malformed"), str(e), peer)
             return
         self.messages_in += 1
         if msg.type != "call":  # an RDMABuffer operation, a wait notice, ...
@@ -394,7 +398,7 @@ class PeerHost:
         try:
             msg = (codec or self.codec).decode(frames)
         except ProtocolError as e:
-            log.warning("rank %d dropped a peer reply: %s", self.rank, e)
+            self.drops.drop(getattr(e, "reason", "malformed"), f"(a reply) {e}", b"reply")
             return
         self.messages_in += 1
         if msg.type != "reply" or not msg.sender.startswith("r"):

@@ -51,6 +51,7 @@ from monarch_kernel.transport.sockets import (
     is_loopback,
     send_frames,
 )
+from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
@@ -120,6 +121,8 @@ class Controller:
         sched_batch_enabled()
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
+        #: messages refused, counted and reported in few lines (util.droplog)
+        self.drops = DropLog(log, "the controller")
         self.codec.pool = shm.Pool()
         self._sweeps_due: list[float] = []  # monotonic times of sweeps after deaths
         swept = shm.sweep_stale(SWEEP_MIN_AGE_S)  # files of processes killed outright
@@ -398,14 +401,33 @@ class Controller:
 
     # ------------------------------------------------------------- registry
     def expect(self, ranks: Iterable[int], local: bool = True) -> None:
-        """Register ranks that a launcher is starting."""
+        """Register ranks that a launcher is starting: each run of a rank gets a
+        fresh epoch, and only its messages are accepted from that rank from now
+        on (those of an earlier run of it are refused). The launcher passes
+        :meth:`launch_env` to the new processes."""
         with self._lock:
             for r in ranks:
-                self.ranks[r] = RankInfo(r)
+                info = self.ranks[r] = RankInfo(r, epoch=protocol.new_epoch())
+                self.codec.expect(f"r{r}", info.epoch)
                 if local:
                     self.local_ranks.add(r)
                 else:
                     self.local_ranks.discard(r)
+
+    def launch_env(self, ranks: Iterable[int]) -> dict[int, dict[str, str]]:
+        """The environment that the processes of ``ranks`` (registered with
+        :meth:`expect`) start with, per rank: their epoch, and the
+        controller's epoch and current sequence number, below which they
+        refuse its messages (everything it signed before they started).
+
+        Raises
+        ------
+        KeyError
+            If a rank was not registered.
+        """
+        floor = self.codec.mark()
+        return {r: {protocol.STREAMS_ENV: protocol.format_streams(
+            self.ranks[r].epoch, self.codec.epoch, floor)} for r in ranks}
 
     def wait_ready(self, ranks: Iterable[int], timeout: float) -> None:
         """Wait until every rank in ``ranks`` said hello.
@@ -443,7 +465,7 @@ class Controller:
         if info.state == "stopped":
             msg = f"rank {rank}{where}{pid} was stopped"
         else:
-            msg = f"rank {rank}{where}{pid} {info.describe_exit()}"
+            msg = f"rank {rank}{where}{pid} {info.describe_exit(self.heartbeat)}"
             if starting:
                 msg += " while starting"
         lines = list(info.last_lines)
@@ -550,20 +572,21 @@ class Controller:
             else:
                 msg = self.codec.decode(frames, lazy=True, identity=[lane])
         except ProtocolError as e:
-            log.warning("the controller dropped a message: %s", e)
+            peer = lane if lane is not None else bytes(frames[0]) if frames else b""
+            self.drops.drop(getattr(e, "reason", "malformed"), str(e), peer)
             return
         ident = msg.identity[0] if msg.identity else b""
         s = msg.sender
         info = self.ranks.get(int(s[1:])) if s[:1] == "r" and s[1:].isdigit() else None
         if info is None:
-            log.warning("the controller dropped a message from unknown sender %r", s)
+            self.drops.drop("unknown sender", f"from unknown sender {s!r}", ident)
             return
         rank = info.rank
         if msg.type == "hello":  # signed by a worker of this mesh: its connection is the rank's
             info.identity = ident
         elif ident != info.identity:
-            log.warning("the controller dropped a message whose sender %r does not match "
-                        "its connection %r", s, ident)
+            self.drops.drop("wrong connection", f"sender {s!r} does not match its "
+                            f"connection {ident!r}", ident)
             return
         info.last_heard = time.monotonic()
         info.messages_in += 1

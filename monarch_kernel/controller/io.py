@@ -53,6 +53,7 @@ from monarch_kernel.transport.engine import (
 )
 from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import drain, send_frames
+from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
 
@@ -63,6 +64,8 @@ __all__ = ["CONTENDED_OFF_S", "CONTENDED_S", "MAX_MISSES", "SPIN_US", "Controlle
 
 #: seconds between two checks of the ranks (exits, missed heartbeats)
 CHECK_S = 0.05
+#: messages read from the ROUTER socket in one step at most (the rest: next step)
+READ_MAX = 256
 #: the order of sources in a step: output pipes (output_pipes.PIPE_ORDER, 0) come
 #: before lanes and sockets, so a reply never overtakes its output
 LANE_ORDER, PULL_ORDER, ROUTER_ORDER = 1, 2, 3
@@ -75,6 +78,7 @@ class IOHost(Protocol):
     local_ranks: set[int]
     heartbeat: float
     codec: Any
+    drops: DropLog
 
     def receive(self, frames: list[Any], lane: bytes | None = None) -> None:
         """Handle one message from the ROUTER, or from the lane of identity ``lane``."""
@@ -136,6 +140,7 @@ class ControllerIO:
         self.engine.add(pull, self._on_pull, order=PULL_ORDER)
         self.engine.every(CHECK_S, host.check_ranks)
         self.engine.every(host.heartbeat, self._beat)
+        self.engine.every(1.0, host.drops.tick)  # (the summary of a flood that ended)
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -299,11 +304,16 @@ class ControllerIO:
                 log.debug("cannot send to %r: %s", frames[0].bytes, e)
 
     def _on_router(self, router: zmq.Socket) -> None:
-        for frames in drain(router, small=2):  # [identity, envelope, ...]
+        # at most READ_MAX messages a step: what is left is read at the next step (the
+        # poller asks the socket again before it waits), after the duties of this
+        # one, so a flood of messages never holds up heartbeats and checks of ranks
+        for n, frames in enumerate(drain(router, small=2), 1):  # [identity, envelope, ...]
             try:
                 self.host.receive(frames)
             except Exception:
                 log.exception("the controller dropped a message it could not handle")
+            if n >= READ_MAX:
+                break
 
     def _beat(self, now: float) -> None:
         """Send a heartbeat to every rank that is up (the thread that leads)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from monarch_kernel.errors import MeshFailure, RemoteFailure
 from monarch_kernel.util.flag import Flag
+from monarch_kernel.wire import messages
 
 log = logging.getLogger("monarch_kernel.controller.controller")
 
@@ -54,10 +55,16 @@ class RankInfo:
     #: the worker's pooled shared-memory files seen in its replies: removed by the
     #: controller if the worker dies without removing them itself (SIGKILL)
     shm_files: set[str] = field(default_factory=set)
+    #: the epoch of this run of the rank (its messages carry it; wire.protocol)
+    epoch: int = 0
 
-    def describe_exit(self) -> str:
+    def describe_exit(self, heartbeat: float = 1.0) -> str:
+        """How the rank ended, in a few words (``heartbeat``: the mesh's, in seconds)."""
         if self.exitcode is None:
             return "stopped answering"
+        why = messages.WORKER_EXITS.get(self.exitcode)
+        if why is not None:  # the worker left by itself, having lost its controller
+            return "stopped: " + why.format(timeout=messages.heartbeat_timeout(heartbeat))
         if self.exitcode < 0:
             try:
                 name = signal.Signals(-self.exitcode).name

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from monarch_kernel.transport.netaddr import primary_address
+from monarch_kernel.wire.messages import heartbeat_timeout
 
 __all__ = ["LaunchSpec", "Launcher", "Placement", "worker_command"]
 
@@ -84,7 +85,7 @@ def worker_command(spec: LaunchSpec, rank: int | None = None, python: str | None
            "--world-size", str(spec.world_size),
            "--shape", ",".join(f"{k}={v}" for k, v in spec.shape.items()),
            "--heartbeat", str(spec.heartbeat),
-           "--heartbeat-timeout", str(max(6.0, 6 * spec.heartbeat)),
+           "--heartbeat-timeout", str(heartbeat_timeout(spec.heartbeat)),
            "--telemetry-interval", str(spec.telemetry_interval)]
     if rank is not None:
         cmd += ["--rank", str(rank)]

@@ -455,8 +455,8 @@ def spawn_procs(
     mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
     ctl.expect(ranks, local=la.local)
-    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, heartbeat=heartbeat,
-                      telemetry_interval=telemetry_interval,
+    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, env=ctl.launch_env(ranks),
+                      heartbeat=heartbeat, telemetry_interval=telemetry_interval,
                       curve_server_key=ctl.curve_public_key, down_address=ctl.down_address)
     mesh.spec = spec
     ctl.poll_exits = la.poll

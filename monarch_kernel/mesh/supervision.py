@@ -107,7 +107,11 @@ def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
     ctl.expect(ranks, local=la.local)
     if root.spec is None:  # (spawn_procs gives every mesh it launches one)
         raise MeshError("this mesh was not launched by spawn_procs: it cannot restart ranks")
-    spec = dataclasses.replace(root.spec, ranks=list(ranks))
+    # (each rank's new run: a new epoch, and the controller's messages until now refused)
+    env = {r: dict(e) for r, e in root.spec.env.items()}
+    for r, e in ctl.launch_env(ranks).items():
+        env.setdefault(r, {}).update(e)
+    spec = dataclasses.replace(root.spec, ranks=list(ranks), env=env)
     la.launch(spec)
     ctl.wait_ready(ranks, timeout)
     mesh_keys.introduce(ctl, ranks)  # a fresh process knows no other mesh's key

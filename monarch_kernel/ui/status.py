@@ -18,6 +18,7 @@ import io
 import signal
 from typing import Any
 
+from monarch_kernel.wire.messages import WORKER_EXITS
 from monarch_kernel.worker.telemetry import REQUEST_ACTIVITY
 
 __all__ = [
@@ -66,6 +67,9 @@ def _exit_text(exitcode: int | None) -> str:
             return f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"killed by signal {-exitcode}"
+    why = WORKER_EXITS.get(exitcode)
+    if why is not None:  # it left by itself, having lost its controller
+        return "no word from the controller" if "{" in why else why
     return f"exit code {exitcode}"
 
 

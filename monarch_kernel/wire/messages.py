@@ -105,13 +105,37 @@ else:  # Python 3.10 (typing_extensions comes with torch)
     from typing_extensions import NotRequired
 
 __all__ = [
-    "ACTOR", "BUF_NBYTES", "BUF_ROUTE", "IPC", "KEEP", "METHOD", "ONEWAY", "PAYLOAD", "REFS",
+    "EXIT_CONTROLLER_GONE", "EXIT_LANE_CLOSED", "EXIT_SILENCE", "WORKER_EXITS",
+    "heartbeat_timeout", "ACTOR", "BUF_NBYTES", "BUF_ROUTE", "IPC", "KEEP", "METHOD", "ONEWAY",
+    "PAYLOAD", "REFS",
     "SOURCES", "UID", "WAITED", "WAIT_ACTOR", "WAIT_CALL", "WAIT_ENTRIES", "WAIT_SEQ",
     "ActorErrorEvent", "Buffer", "Call", "Calls", "Debug", "DebugInput", "Display", "Execute",
     "Failure", "Free", "Hello", "Keys", "Pull", "Push", "RankDead", "Ref", "Replies", "Reply",
     "Setup", "ShmDone", "SpawnActor", "SpawnReply", "State", "StopActor", "Stream",
     "SupervisionEvent", "WaitNotice",
 ]
+
+# ------------------------------------------------- how a worker left by itself
+#: exit code of a worker that heard nothing from its controller for its heartbeat
+#: timeout (:func:`heartbeat_timeout`)
+EXIT_SILENCE: Final = 85
+#: exit code of a worker whose controller's process is gone (same host)
+EXIT_CONTROLLER_GONE: Final = 86
+#: exit code of a worker whose controller closed its lane (same host)
+EXIT_LANE_CLOSED: Final = 87
+#: why a worker that exited with one of these codes left ("{timeout}": seconds)
+WORKER_EXITS: Final = {
+    EXIT_SILENCE: "no word from the controller for {timeout:.1f} s",
+    EXIT_CONTROLLER_GONE: "its controller's process is gone",
+    EXIT_LANE_CLOSED: "the controller closed its connection",
+}
+
+
+def heartbeat_timeout(heartbeat: float) -> float:
+    """Seconds without a word from the controller after which a worker whose
+    heartbeat is ``heartbeat`` seconds leaves (``--heartbeat-timeout``)."""
+    return max(6.0, 6 * heartbeat)
+
 
 # ----------------------------------------------------------------- call keys
 ACTOR: Final = "a"

@@ -5,13 +5,17 @@ same frames, :mod:`monarch_kernel.transport.lane`; after any ROUTER identity fra
 one envelope frame and zero or more buffer frames::
 
     frame 0   envelope:
-                bytes 0-3     b"MK/2"     magic and protocol version
+                bytes 0-3     b"MK/3"     magic and protocol version
                 bytes 4-35    signature   HMAC-SHA256 (raw 32 bytes), keyed with
                                           the mesh's random key, over bytes 36..
                                           of this frame, then every buffer frame
                                           in order
-                bytes 36-39   header length H, unsigned 32-bit little-endian
-                bytes 40..    header      H bytes, fixed layout (struct, little-endian):
+                bytes 36-43   epoch       u64: the sending codec's stream (random
+                                          per codec, or given by the controller
+                                          for a rank's run)
+                bytes 44-51   sequence    u64: 1, 2, 3, ... per sending codec
+                bytes 52-55   header length H, unsigned 32-bit little-endian
+                bytes 56..    header      H bytes, fixed layout (struct, little-endian):
                                 u8   type code (index in TYPE_CODES)
                                 u8   sender length S (ASCII, "ctl" or "r<rank>")
                                 u8   message id length I (ASCII, unique per sender)
@@ -42,8 +46,27 @@ list of message types and of their content; this module knows their names
 
 The signature is checked with :func:`hmac.compare_digest` *before* the header
 is parsed or anything is unpickled, exactly as ``jupyter_client.session``
-does for the Jupyter wire protocol. A message id seen before is a replay and
-is rejected. Size limits (header and buffers) are checked before hashing.
+does for the Jupyter wire protocol. Size limits (header and buffers) and the
+magic are checked before hashing, so a message that is not ours costs a few
+comparisons, and a wrongly signed one one HMAC of at most the size limits.
+
+Replays
+-------
+Every codec is one *stream*: an epoch (64 bits) and a sequence number that
+counts its messages from 1. A receiver keeps, per (sender, epoch), the
+sequence numbers it accepted (:class:`Window`) and refuses any it accepted
+before, at any time in the mesh's life: a replay. It accepts a message that
+arrives late (sent by another thread of the sender, overtaken on another
+path) unless more than :data:`REORDER_LIMIT` later ones of that stream
+reached it first; such a message is refused as too old.
+
+Which epochs a receiver accepts from a sender: the one it was told to expect
+(:meth:`Codec.expect`) where it was told one, else any (first come, its own
+window). The controller gives each run of a rank a fresh epoch and expects it
+(a restarted rank's predecessor's messages are refused), and tells each rank
+it starts the controller's epoch and its current sequence number (the rank
+refuses every message the controller signed before it started). Keys are
+fresh per controller, so no message of another mesh verifies.
 """
 
 from __future__ import annotations
@@ -51,6 +74,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import secrets
@@ -65,12 +89,14 @@ from monarch_kernel.wire import shm as _shm
 
 log = logging.getLogger("monarch_kernel.wire.protocol")
 
-__all__ = ["MAGIC", "TYPES", "VERSION", "Codec", "Message", "new_key"]
+__all__ = ["MAGIC", "REORDER_LIMIT", "STREAMS_ENV", "TYPES", "VERSION", "Codec", "Message",
+           "Window", "format_streams", "new_epoch", "new_key", "parse_streams", "refused"]
 
-MAGIC = b"MK/2"
-VERSION = 2
+MAGIC = b"MK/3"
+VERSION = 3
 _SIG = slice(4, 36)  # where the signature sits in the envelope frame
-_HEAD = 40  # where the header starts
+_ENV = struct.Struct("<QQI")  # epoch, sequence number, header length (bytes 36-55)
+_HEAD = 36 + _ENV.size  # where the header starts
 
 #: wire codes of the message types (a type's code is its index). The content of
 #: each type, and its direction: :mod:`monarch_kernel.wire.messages`, the one list
@@ -89,12 +115,126 @@ _NO_PARENT = 255
 
 DEFAULT_MAX_HEADER = 64 * 1024 * 1024  # bytes
 DEFAULT_MAX_BUFFERS = 1024 * 1024 * 1024  # bytes
-REPLAY_WINDOW = 1 << 16  # message ids remembered per codec
+#: a message of a stream that more than this many later ones of the same stream
+#: overtook on their way to a receiver is refused there as too old (see Window)
+REORDER_LIMIT = 1024
+#: streams of senders with no expected epoch that a codec keeps at most (the
+#: oldest is forgotten first)
+MAX_STREAMS = 4096
 
 
 def new_key() -> bytes:
     """A fresh random 32-byte mesh key."""
     return secrets.token_bytes(32)
+
+
+def new_epoch() -> int:
+    """A fresh random epoch (a 64-bit integer, never 0)."""
+    return secrets.randbits(64) or 1
+
+
+#: the environment variable that gives a rank its streams (:func:`format_streams`)
+STREAMS_ENV = "MONARCH_STREAMS"
+
+
+def format_streams(epoch: int, controller_epoch: int, floor: int) -> str:
+    """What a rank's :data:`STREAMS_ENV` holds: its own epoch, the controller's,
+    and the controller's sequence number at the rank's start
+    (``"<hex>:<hex>:<decimal>"``)."""
+    return f"{epoch:x}:{controller_epoch:x}:{floor}"
+
+
+def parse_streams(text: str) -> tuple[int, int, int]:
+    """(epoch, controller's epoch, floor) of :func:`format_streams`'s text.
+
+    Raises
+    ------
+    ValueError
+        If ``text`` is not three such fields, or an epoch is 0 or beyond 64 bits.
+    """
+    try:
+        a, b, c = text.split(":")
+        epoch, ctl, floor = int(a, 16), int(b, 16), int(c)
+    except ValueError:
+        raise ValueError(f"{STREAMS_ENV} must read EPOCH:EPOCH:SEQ (hex, hex, decimal), "
+                         f"not {text!r}") from None
+    if not (0 < epoch < 1 << 64 and 0 < ctl < 1 << 64 and 0 <= floor < 1 << 64):
+        raise ValueError(f"{STREAMS_ENV} holds an epoch or sequence number out of range: "
+                         f"{text!r}")
+    return epoch, ctl, floor
+
+
+def refused(reason: str, message: str) -> ProtocolError:
+    """A :class:`ProtocolError` with ``reason``, a short name of why the message
+    was refused ("bad signature", "replayed", ...), as its ``reason``
+    attribute (what a summary of drops counts by)."""
+    e = ProtocolError(message)
+    e.reason = reason  # type: ignore[attr-defined]
+    return e
+
+
+class Window:
+    """The sequence numbers a receiver accepted from one stream (one sender's
+    epoch): :meth:`admit` accepts each number once, ever.
+
+    It holds ``floor`` (every number up to it is refused: accepted already, or
+    too old) and the numbers above it that were accepted (at most
+    :data:`REORDER_LIMIT`). A stream that arrives in order costs one
+    comparison and no memory; a stream this receiver sees only part of
+    (its sender also talks to others) keeps the last ``REORDER_LIMIT``.
+
+    Parameters
+    ----------
+    floor : int
+        Numbers up to this one are refused from the start (the sender's
+        messages from before this receiver existed).
+    limit : int
+        How many accepted numbers above the floor are kept.
+    """
+
+    __slots__ = ("floor", "limit", "order", "seen")
+
+    def __init__(self, floor: int = 0, limit: int = REORDER_LIMIT) -> None:
+        self.floor = floor
+        self.limit = limit
+        self.seen: set[int] = set()
+        self.order: collections.deque[int] = collections.deque()  # seen, by arrival
+
+    def admit(self, seq: int) -> bool:
+        """Accept ``seq`` (True) unless it was accepted before or is too old (False)."""
+        floor = self.floor
+        if seq <= floor:
+            return False
+        seen = self.seen
+        if seq == floor + 1:  # in order (the common case)
+            if seen:
+                if seq in seen:
+                    return False
+                while seq + 1 in seen:  # a gap closed: the numbers above it join
+                    seq += 1
+                    seen.discard(seq)
+                if not seen:
+                    self.order.clear()
+            self.floor = seq
+            return True
+        if seq in seen:
+            return False
+        seen.add(seq)
+        order = self.order
+        order.append(seq)
+        if len(order) > self.limit:  # the older half goes below the floor (at once: cheaper)
+            floor = self.floor
+            popleft, discard = order.popleft, seen.discard
+            for _ in range(len(order) - self.limit // 2):
+                old = popleft()
+                discard(old)
+                if old > floor:
+                    floor = old
+            while floor + 1 in seen:  # (numbers at or below it still in `seen` leave in turn)
+                floor += 1
+                discard(floor)
+            self.floor = floor
+        return True
 
 
 @dataclass
@@ -155,8 +295,8 @@ class Message:
                            for b in self._buffers or ()]
                 self._content = serialize.loads(self._payload, buffers)
             except Exception as e:
-                raise ProtocolError(
-                    f"undecodable payload in {self.type!r} message: {e}") from e
+                raise refused("undecodable",
+                              f"undecodable payload in {self.type!r} message: {e}") from e
             self._decoded = True
             self._payload = self._buffers = None
         return self._content
@@ -175,6 +315,9 @@ class Codec:
         Largest accepted header + payload, in bytes (default 64 MiB).
     max_buffers : int
         Largest accepted total of buffer frames, in bytes (default 1 GiB).
+    epoch : int or None
+        This codec's epoch (a 64-bit integer; given by the controller for a
+        rank's run); None: a fresh random one (:func:`new_epoch`).
     """
 
     def __init__(
@@ -183,6 +326,7 @@ class Codec:
         sender: str,
         max_header: int = DEFAULT_MAX_HEADER,
         max_buffers: int = DEFAULT_MAX_BUFFERS,
+        epoch: int | None = None,
     ) -> None:
         if not key:
             raise ValueError("a mesh key must not be empty")
@@ -200,8 +344,13 @@ class Codec:
         self._prefix = f"{sender}.{os.getpid()}.{secrets.token_hex(4)}."
         self._counter = 0
         self._lock = threading.Lock()
-        self._seen: set[str] = set()
-        self._seen_order: collections.deque[str] = collections.deque()
+        if epoch is not None and not 0 < epoch < 1 << 64:
+            raise ValueError(f"an epoch is an integer from 1 to 2**64-1, not {epoch!r}")
+        #: this codec's stream: its epoch, and the sequence numbers of what it signs
+        self.epoch = new_epoch() if epoch is None else epoch
+        self._seq = itertools.count(1)  # (next() is atomic: any thread may sign)
+        self._streams: dict[tuple[str, int], Window] = {}  # (sender, epoch) -> accepted
+        self._expected: dict[str, tuple[int, int]] = {}  # sender -> (epoch, floor)
         #: reusable shared-memory files for requests to this host (set by owners)
         self.pool: _shm.Pool | None = None
 
@@ -219,18 +368,56 @@ class Codec:
 
     def fork(self, sender: str) -> Codec:
         """A codec with the same key and limits, a new sender name, its own
-        message ids and its own replay window (for a second socket of one
-        process, e.g. a worker's peer-to-peer actor socket)."""
+        message ids, its own stream (a fresh epoch) and its own replay windows
+        (for a second socket of one process, e.g. a worker's peer-to-peer actor
+        socket)."""
         c = Codec(self._key, sender, self.max_header, self.max_buffers)
         return c
 
     def rekeyed(self, key: bytes) -> Codec:
         """A codec that signs and checks with ``key`` (another mesh's: a worker's
         calls to it, :mod:`monarch_kernel.actor.mesh_keys`), with this one's sender
-        name, limits and shared-memory pool, and a replay window of its own."""
+        name, limits and shared-memory pool, and a stream and replay windows of
+        its own."""
         c = Codec(key, self.sender, self.max_header, self.max_buffers)
         c.pool = self.pool
         return c
+
+    def mark(self) -> int:
+        """A sequence number above that of every message this codec signed so
+        far (a receiver started now is told to refuse those: :meth:`expect`)."""
+        return next(self._seq)
+
+    def expect(self, sender: str, epoch: int, floor: int = 0) -> None:
+        """Accept messages of ``sender`` from stream ``epoch`` only, and of it
+        only sequence numbers above ``floor`` (any thread). What was accepted
+        from ``sender``'s other epochs is forgotten: their messages are
+        refused from now on."""
+        with self._lock:
+            self._expected[sender] = (epoch, floor)
+            for k in [k for k in self._streams if k[0] == sender and k[1] != epoch]:
+                del self._streams[k]
+
+    def _admit(self, sender: str, epoch: int, seq: int) -> None:
+        """Accept sequence number ``seq`` of ``sender``'s stream ``epoch`` once
+        (lock held); else raise ProtocolError."""
+        key = (sender, epoch)
+        w = self._streams.get(key)
+        if w is None:
+            exp = self._expected.get(sender)
+            if exp is not None:
+                if exp[0] != epoch:
+                    raise refused("stale epoch", f"a message of {sender!r} from another run "
+                                  f"of it (epoch {epoch:016x}, expected {exp[0]:016x})")
+                w = Window(exp[1])
+            else:
+                if len(self._streams) >= MAX_STREAMS:
+                    del self._streams[next(iter(self._streams))]
+                w = Window()
+            self._streams[key] = w
+        if not w.admit(seq):
+            raise refused("replayed", f"replayed message of {sender!r} (sequence number {seq} "
+                          f"of epoch {epoch:016x} was accepted before, or is too old)")
 
     def new_id(self) -> str:
         """A message id unique to this codec."""
@@ -254,10 +441,13 @@ class Codec:
             h.update(b)
         return h.digest()
 
-    def seal(self, header: bytes, payload: Any, buffers: list[Any] | tuple = ()) -> list[Any]:
-        """Signed frames from raw header bytes (what :meth:`encode` sends; tests
+    def seal(self, header: bytes, payload: Any, buffers: list[Any] | tuple = (),
+             seq: int | None = None) -> list[Any]:
+        """Signed frames from raw header bytes, with this codec's epoch and the
+        next sequence number (or ``seq``) (what :meth:`encode` sends; tests
         use it to sign malformed headers as a buggy peer would)."""
-        body = len(header).to_bytes(4, "little") + header + bytes(payload)
+        body = b"".join((_ENV.pack(self.epoch, next(self._seq) if seq is None else seq,
+                                   len(header)), header, payload))
         return [MAGIC + self._sign(body, buffers) + body, *buffers]
 
     def encode(
@@ -361,58 +551,55 @@ class Codec:
             try:
                 i = next(i for i, v in enumerate(views) if v[:4] == MAGIC)
             except StopIteration:
-                raise ProtocolError(
-                    "no protocol magic frame (not a monarch_kernel message)") from None
+                raise refused("not ours",
+                              "no protocol magic frame (not a monarch_kernel message)") from None
             identity = [bytes(v) for v in views[:i]]
             views = views[i:]
         elif identity is None:
             identity = []
         if not views or views[0].nbytes < _HEAD or views[0][:4] != MAGIC:
-            raise ProtocolError(f"malformed message: {len(views)} frames, bad or missing magic")
+            raise refused("not ours",
+                          f"malformed message: {len(views)} frames, bad or missing magic")
         env = views[0]
         buffers: list[Any] = views[1:]
         if env.nbytes - _HEAD > self.max_header:
-            raise ProtocolError(
-                f"message header+payload of {env.nbytes - _HEAD} bytes exceeds "
-                f"the limit of {self.max_header} bytes"
-            )
+            raise refused("oversized",
+                          f"message header+payload of {env.nbytes - _HEAD} bytes exceeds "
+                          f"the limit of {self.max_header} bytes")
         total = sum(b.nbytes for b in buffers) if buffers else 0
         if total > self.max_buffers:
-            raise ProtocolError(
-                f"message buffers of {total} bytes exceed the limit of {self.max_buffers} bytes"
-            )
+            raise refused("oversized", f"message buffers of {total} bytes exceed the limit of "
+                          f"{self.max_buffers} bytes")
         expected = self._sign(env[36:], buffers)
         if not hmac.compare_digest(expected, env[_SIG]):
-            raise ProtocolError("bad message signature (wrong key or tampered message)")
-        hlen = int.from_bytes(env[36:_HEAD], "little")
+            raise refused("bad signature",
+                          "bad message signature (wrong key or tampered message)")
+        epoch, seq, hlen = _ENV.unpack_from(env, 36)
         if _HEAD + hlen > env.nbytes:
-            raise ProtocolError(f"malformed message header: length {hlen} beyond the frame")
+            raise refused("malformed",
+                          f"malformed message header: length {hlen} beyond the frame")
         header_b, payload = env[_HEAD:_HEAD + hlen], env[_HEAD + hlen:]
         mtype, mid, parent, sender, lengths, sh = _parse_header(bytes(header_b))
         if (lengths or buffers) and (len(lengths) != len(buffers) or any(
                 n != b.nbytes for n, b in zip(lengths, buffers, strict=True))):
-            raise ProtocolError(f"malformed message header: it names {len(lengths)} buffer(s) "
-                                f"of {list(lengths)[:8]} bytes, the message has "
-                                f"{[b.nbytes for b in buffers][:8]}")
+            raise refused("malformed",
+                          f"malformed message header: it names {len(lengths)} buffer(s) "
+                          f"of {list(lengths)[:8]} bytes, the message has "
+                          f"{[b.nbytes for b in buffers][:8]}")
         if sh:
             try:
                 if any(i >= len(buffers) for i in sh) or len(set(sh)) != len(sh):
                     raise ValueError("bad or repeated index")
                 described = [_shm.parse(buffers[i]) for i in sh]
             except (ValueError, UnicodeDecodeError) as e:
-                raise ProtocolError(f"malformed shared-memory descriptor: {e}") from None
+                raise refused("malformed", f"malformed shared-memory descriptor: {e}") from None
             # the files' sizes count, not the few bytes of their descriptors
             claimed = total - sum(buffers[i].nbytes for i in sh) + sum(d[1] for d in described)
             if claimed > self.max_buffers:
-                raise ProtocolError(f"message buffers of {claimed} bytes exceed the limit of "
-                                    f"{self.max_buffers} bytes")
+                raise refused("oversized", f"message buffers of {claimed} bytes exceed the "
+                              f"limit of {self.max_buffers} bytes")
         with self._lock:
-            if mid in self._seen:
-                raise ProtocolError(f"replayed message id {mid!r}")
-            self._seen.add(mid)
-            self._seen_order.append(mid)
-            if len(self._seen_order) > REPLAY_WINDOW:
-                self._seen.discard(self._seen_order.popleft())
+            self._admit(sender, epoch, seq)
         if sh:
             buffers = list(buffers)
             for i, (name, size, mode) in zip(sh, described, strict=True):
@@ -485,22 +672,22 @@ def pack_header(type: str | int, id: str, parent: str | None, sender: str,
 def _parse_header(h: bytes) -> tuple[str, str, str | None, str, tuple, tuple]:
     """(type, id, parent, sender, buffer lengths, shm indices) of header bytes."""
     if len(h) < _FIXED.size:
-        raise ProtocolError(f"malformed message header: {len(h)} bytes")
+        raise refused("malformed", f"malformed message header: {len(h)} bytes")
     code, ls, li, lp, nb, nsh = _FIXED.unpack_from(h)
     plen = 0 if lp == _NO_PARENT else lp
     off = _FIXED.size + ls + li + plen
     if off + 8 * nb + 2 * nsh != len(h):
-        raise ProtocolError(f"malformed message header: {len(h)} bytes, its fields need "
-                            f"{off + 8 * nb + 2 * nsh}")
+        raise refused("malformed", f"malformed message header: {len(h)} bytes, its fields "
+                      f"need {off + 8 * nb + 2 * nsh}")
     if code >= len(TYPE_CODES):
-        raise ProtocolError(f"malformed message header: unknown type code {code}")
+        raise refused("malformed", f"malformed message header: unknown type code {code}")
     try:
         o = _FIXED.size
         sender = h[o:o + ls].decode("ascii")
         mid = h[o + ls:o + ls + li].decode("ascii")
         parent = None if lp == _NO_PARENT else h[o + ls + li:off].decode("ascii")
     except UnicodeDecodeError:
-        raise ProtocolError("malformed message header: a name that is not ASCII") from None
+        raise refused("malformed", "malformed message header: a name that is not ASCII") from None
     if not nb and not nsh:  # a control message (the common case)
         return TYPE_CODES[code], mid, parent, sender, (), ()
     lengths = struct.unpack_from(f"<{nb}Q", h, off)

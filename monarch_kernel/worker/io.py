@@ -46,9 +46,10 @@ from monarch_kernel.errors import ProtocolError
 from monarch_kernel.transport.engine import Engine, EngineSettings
 from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import FdPoller, drain, send_frames
+from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.switches import peer_lead_enabled
-from monarch_kernel.wire import protocol, shm
+from monarch_kernel.wire import messages, protocol, shm
 from monarch_kernel.wire.shm import NAME_RE
 from monarch_kernel.worker import handlers
 
@@ -135,6 +136,9 @@ class WorkerIO:
             self.engine.add(host.dealer, self._on_dealer, order=CONTROLLER_ORDER)
         self.engine.every(host.heartbeat, self._beat)
         self.engine.every(0, self._check_silence)
+        #: messages refused, counted and reported in few lines (util.droplog)
+        self.drops = DropLog(log, f"rank {host.rank}")
+        self.engine.every(1.0, self.drops.tick)  # (the summary of a flood that ended)
 
     def start(self) -> None:
         """Start the I/O thread."""
@@ -266,7 +270,7 @@ class WorkerIO:
         if lane.eof and not host.stopping.is_set():
             log.warning("rank %d: the controller closed its lane (it is gone); exiting",
                         host.rank)
-            exit_process(0)
+            exit_process(messages.EXIT_LANE_CLOSED)
 
     def _on_dealer(self, dealer: zmq.Socket) -> None:
         if self.host.stopping.is_set():
@@ -279,7 +283,7 @@ class WorkerIO:
             try:
                 msg = host.codec.decode(frames, lazy=True)
             except ProtocolError as e:
-                log.warning("rank %d dropped a message: %s", host.rank, e)
+                self.drops.drop(getattr(e, "reason", "malformed"), str(e), b"controller")
                 continue
             self.last_heard = time.monotonic()
             try:
@@ -299,13 +303,13 @@ class WorkerIO:
             self.engine.touched(dealer)
         if not self._controller_alive():
             log.warning("rank %d: the controller process is gone; exiting", host.rank)
-            exit_process(0)
+            exit_process(messages.EXIT_CONTROLLER_GONE)
 
     def _check_silence(self, now: float) -> None:
         if now - self.last_heard > self.host.heartbeat_timeout:
             log.warning("rank %d: no word from the controller for %.1f s; exiting",
                         self.host.rank, now - self.last_heard)
-            exit_process(0)
+            exit_process(messages.EXIT_SILENCE)
 
     def _controller_alive(self) -> bool:
         pid = self.host.controller_pid

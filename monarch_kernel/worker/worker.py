@@ -147,6 +147,12 @@ class Worker:
         This worker's end of a lane to a controller on this host (a Unix
         socket it inherited, :mod:`monarch_kernel.transport.lane`): every message to
         and from the controller then goes through it, not ZeroMQ.
+    streams : (int, int, int) or None
+        This run's epoch, the controller's epoch, and the controller's sequence
+        number when it started this run (:func:`protocol.parse_streams`): the
+        worker signs with that epoch and accepts the controller's messages of
+        that epoch above that number only. None (a worker started by hand): a
+        random epoch, and the controller's first epoch seen is accepted.
     """
 
     def __init__(
@@ -162,6 +168,7 @@ class Worker:
         curve_server_key: bytes | None = None,
         down_address: str | None = None,
         lane_fd: int | None = None,
+        streams: tuple[int, int, int] | None = None,
     ) -> None:
         self.address = address
         self.pid = os.getpid()  # (a child forked by user code has another: leave_if_forked)
@@ -172,7 +179,9 @@ class Worker:
         self.heartbeat = heartbeat
         self.heartbeat_timeout = heartbeat_timeout
         self.curve_server_key = curve_server_key  # set: encrypted mesh (actor peers too)
-        self.codec = protocol.Codec(key, f"r{rank}")
+        self.codec = protocol.Codec(key, f"r{rank}", epoch=streams[0] if streams else None)
+        if streams is not None:  # the controller's messages from before this run: refused
+            self.codec.expect("ctl", streams[1], streams[2])
         if controller_pid is not None:  # the controller is on this host: pooled replies
             self.codec.pool = _shm.Pool()
         self.ctx = zmq.Context()
@@ -662,6 +671,11 @@ def main(argv: list[str] | None = None) -> int:
     key_hex = os.environ.pop("MONARCH_MESH_KEY", "")
     if not key_hex:
         p.error("MONARCH_MESH_KEY is not set; workers are started by a launcher")
+    streams_text = os.environ.pop(protocol.STREAMS_ENV, "")
+    try:
+        streams = protocol.parse_streams(streams_text) if streams_text else None
+    except ValueError as e:
+        p.error(str(e))
     shape = {}
     for part in filter(None, args.shape.split(",")):
         name, _, size = part.partition("=")
@@ -682,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
         down_address=args.controller_down,
         lane_fd=int(lane) if (lane := os.environ.pop("MONARCH_LANE_FD", "")) else None,
+        streams=streams,
     )
     w.telemetry_interval = args.telemetry_interval
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers

@@ -26,9 +26,9 @@ def split(envelope) -> tuple[bytes, bytes, bytes]:
     """(signature, header bytes, payload) of an envelope frame."""
     env = bytes(envelope)
     assert env[:4] == protocol.MAGIC
-    n = int.from_bytes(env[36:40], "little")
-    assert 40 + n <= len(env)
-    return env[4:36], env[40:40 + n], env[40 + n:]
+    n = int.from_bytes(env[52:56], "little")
+    assert 56 + n <= len(env)
+    return env[4:36], env[56:56 + n], env[56 + n:]
 
 
 def fields(header: bytes) -> dict:
