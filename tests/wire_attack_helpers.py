@@ -9,6 +9,7 @@ a raw DEALER (:func:`dealer`), the controller's "dropped a message" warnings
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,8 @@ import zmq
 
 from monarch_kernel.wire import protocol as protocol
 
-__all__ = ["Evil", "controller_drops", "dealer", "envelope", "fields", "split", "two_rank_mesh"]
+__all__ = ["Evil", "controller_drops", "count_drops", "dealer", "envelope", "fields", "split",
+           "two_rank_mesh"]
 
 
 def split(frames: list[Any]) -> tuple[bytes, bytes]:
@@ -62,6 +64,15 @@ def dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
     s.setsockopt(zmq.IDENTITY, identity)
     s.connect(address)
     return s
+
+
+def count_drops(text: str, what: str = "message") -> int:
+    """How many messages a log reports dropped: one per "dropped a <what>" line,
+    N per summary line "dropped N more <what>s ..." (util.droplog)."""
+    one = text.count(f"dropped a {what}")
+    more = sum(int(n.replace(",", "")) for n in
+               re.findall(rf"dropped ([\d,]+) more {re.escape(what)}", text))
+    return one + more
 
 
 def controller_drops(caplog) -> list[str]:

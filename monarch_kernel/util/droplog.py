@@ -47,7 +47,8 @@ class DropLog:
     what : str
         What is dropped, e.g. ``"message"``, ``"peer message"``.
     interval_s : float
-        Seconds of one interval (default :data:`INTERVAL_S`).
+        Seconds of one interval (default :data:`INTERVAL_S`); 0: every drop
+        is reported on its own line.
     first : int
         Drops of an interval reported one by one (default :data:`FIRST`).
     clock : callable() -> float
@@ -85,7 +86,7 @@ class DropLog:
                 self._summarise(now)
             if self._start is None:
                 self._start = now
-            if self._told < self.first:
+            if self._told < self.first or self.interval_s <= 0:
                 self._told += 1
                 tell = True
             else:

@@ -79,6 +79,7 @@ from monarch_kernel.transport.sockets import (
     inproc_pair,
     send_frames,
 )
+from monarch_kernel.util.droplog import INTERVAL_S
 from monarch_kernel.wire import protocol, serialize
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.serialize import cuda_ipc, reply_content
@@ -667,7 +668,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes: larger header+payload of a message is dropped (default 64 MiB)")
     p.add_argument("--max-buffers", type=int, default=protocol.DEFAULT_MAX_BUFFERS,
                    help="bytes: larger out-of-band buffers of a message are dropped (1 GiB)")
+    p.add_argument("--drops-every", type=float, default=INTERVAL_S,
+                   help="seconds over which refused messages beyond the first 3 are summed "
+                   "up in one line of the log; 0: each on its own line")
     args = p.parse_args(argv)
+    if not 0 <= args.drops_every < float("inf"):  # (nan too)
+        p.error(f"--drops-every must be 0 or more seconds, not {args.drops_every}")
     key_hex = os.environ.pop("MONARCH_MESH_KEY", "")
     if not key_hex:
         p.error("MONARCH_MESH_KEY is not set; workers are started by a launcher")
@@ -699,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         streams=streams,
     )
     w.telemetry_interval = args.telemetry_interval
+    w.io.drops.interval_s = args.drops_every
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers
     current = w
     sys.modules["__main__"] = w.module

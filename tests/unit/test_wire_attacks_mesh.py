@@ -17,7 +17,15 @@ import time
 
 import pytest
 import zmq
-from wire_attack_helpers import Evil, controller_drops, dealer, envelope, split, two_rank_mesh
+from wire_attack_helpers import (
+    Evil,
+    controller_drops,
+    count_drops,
+    dealer,
+    envelope,
+    split,
+    two_rank_mesh,
+)
 
 from monarch_kernel.testing.kernel import wait_for
 from monarch_kernel.wire import protocol as protocol
@@ -27,8 +35,11 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def mesh():
-    """A 2-rank local mesh for this module (the test process is its controller)."""
-    yield from two_rank_mesh()
+    """A 2-rank local mesh for this module (the test process is its controller),
+    whose controller reports each dropped message on a line of its own."""
+    for m in two_rank_mesh():
+        m.controller.drops.interval_s = 0
+        yield m
 
 
 # ---------------------------------------------------------- a controller
@@ -43,8 +54,10 @@ def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
         reply = {"status": "ok", "value": "FORGED"}
         stream = {"name": "stdout", "text": "FORGED output\n"}
         h, p = split(wrong.encode("reply", reply, parent=req.id))
-        right = protocol.Codec(ctl.key, "r0")  # a signed message on the wrong connection
-        signed = right.encode("reply", reply, parent=req.id)
+        # a signed message of rank 0's stream, on the wrong connection
+        right = protocol.Codec(ctl.key, "r0", epoch=ctl.ranks[0].epoch)
+        signed = right.seal(*split(right.encode("reply", reply, parent=req.id)), seq=1 << 40)
+        earlier = protocol.Codec(ctl.key, "r0")  # ... of an earlier run of rank 0
         attacks = [
             wrong.encode("reply", reply, parent=req.id),  # wrong key
             wrong.encode("stream", stream, parent=req.id),
@@ -56,6 +69,7 @@ def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
             [protocol.MAGIC + os.urandom(36 + 100), os.urandom(1000)],
             signed,
             signed,  # ... and replayed
+            earlier.encode("reply", reply, parent=req.id),
         ]
         for frames in attacks:
             d.send_multipart(frames)
@@ -66,6 +80,7 @@ def test_forged_replies_and_output_to_the_controller_are_dropped(mesh, caplog):
         assert any("signature" in m for m in drops)
         assert any("replayed" in m for m in drops)
         assert any("does not match its connection" in m for m in drops)
+        assert any("from another run of it" in m for m in drops)
         assert not d.poll(200), "the attacker's connection received traffic meant for rank 0"
         vm = mesh.collect(req, timeout=30)
         assert list(vm.values()) == ["genuine"]
@@ -165,7 +180,7 @@ def test_bad_frames_to_a_workers_peer_socket_are_dropped(tmp_path, capfd, via):
         def logged() -> bool:
             nonlocal err
             err += capfd.readouterr().err
-            return err.count("dropped a peer message") >= len(attacks)
+            return count_drops(err, "peer message") >= len(attacks)
 
         wait_for(logged, 10, what="the peer socket's warnings")
         assert not marker.exists()

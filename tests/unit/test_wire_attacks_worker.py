@@ -47,9 +47,10 @@ class FakeController:
         Start the worker with ``--max-header`` / ``--max-buffers`` of :data:`SMALL`.
     """
 
-    def __init__(self, tmp: Path, limits: bool = True) -> None:
-        self.key = protocol.new_key()
-        self.codec = protocol.Codec(self.key, "ctl")
+    def __init__(self, tmp: Path, limits: bool = True,
+                 codec: protocol.Codec | None = None) -> None:
+        self.codec = codec or protocol.Codec(protocol.new_key(), "ctl")
+        self.key = self.codec.key
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.linger = 0
@@ -59,10 +60,15 @@ class FakeController:
         self._err = open(self.errpath, "wb")  # noqa: SIM115 - closed by close()
         cmd = [sys.executable, "-m", "monarch_kernel", "worker", "--controller", self.address,
                "--rank", "0", "--world-size", "1", "--heartbeat-timeout", "120",
-               "--telemetry-interval", "0"]
+               "--telemetry-interval", "0", "--drops-every", "0"]  # (a line per drop)
         if limits:
             cmd += ["--max-header", str(SMALL), "--max-buffers", str(SMALL)]
-        env = dict(os.environ, MONARCH_MESH_KEY=self.key.hex())
+        # as a controller starts a rank: its epoch, and where the controller's stream stands
+        self.epoch = protocol.new_epoch()
+        self.codec.expect("r0", self.epoch)
+        streams = protocol.format_streams(self.epoch, self.codec.epoch, self.codec.mark())
+        env = dict(os.environ, MONARCH_MESH_KEY=self.key.hex(),
+                   **{protocol.STREAMS_ENV: streams})
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=self._err)
         hello = self.recv(60)
@@ -202,8 +208,20 @@ def test_replayed_message_runs_once(fake, marker):
     frames = [bytes(f) for f in fake.codec.encode("execute", {"code": _marker_code(marker)})]
     fake.send_raw(frames)
     wait_for(marker.exists, 10, what="the first (genuine) execution")
-    _attack(fake, marker.with_name("unused"), [frames, frames], expect="replayed message id")
+    _attack(fake, marker.with_name("unused"), [frames, frames], expect="replayed message")
     assert marker.read_text() == "ran\n", "the replayed execute ran again"
+
+
+def test_a_message_signed_before_the_worker_started_is_refused(tmp_path, marker):
+    """A rank (re)started with the mesh's key refuses what the controller
+    signed before it started: a message captured earlier in the mesh's life."""
+    codec = protocol.Codec(protocol.new_key(), "ctl")
+    captured = [bytes(f) for f in codec.encode("execute", {"code": _marker_code(marker)})]
+    fc = FakeController(tmp_path, codec=codec)
+    try:
+        _attack(fc, marker, [captured], expect="replayed message of 'ctl'")
+    finally:
+        fc.close()
 
 
 def test_truncated_messages_are_dropped(fake, marker):
@@ -254,8 +272,8 @@ def test_garbage_frames_are_dropped(fake, marker):
         [protocol.MAGIC, b"", b"", b""],
         [protocol.MAGIC + bytes(36)],  # zero signature, empty header
         [b"MK/1", b"0" * 64, b"{}", evil],  # version 1 framing
-        [envelope(head, evil, magic=b"MK/3")],  # another protocol version
-        [b"MK/1" + sealed[4:]],  # ... even correctly signed, a wrong magic is refused
+        [envelope(head, evil, magic=b"MK/4")],  # another protocol version
+        [b"MK/2" + sealed[4:]],  # ... even correctly signed, a wrong magic is refused
         [rng.bytes(int(n)) for n in rng.integers(0, 300, size=7)],
         [protocol.MAGIC + rng.bytes(300),
          *(rng.bytes(int(n)) for n in rng.integers(0, 300, size=4))],
@@ -284,7 +302,8 @@ def test_signed_but_malformed_headers_are_dropped(fake, marker):
                          struct.pack(f"<{len(sh)}H", *sh)))
 
     def beyond(header: bytes) -> list[bytes]:  # a header length past the end of the frame
-        body = (len(header) + len(payload) + 1).to_bytes(4, "little") + header + payload
+        body = (fake.codec.epoch.to_bytes(8, "little") + fake.codec.mark().to_bytes(8, "little")
+                + (len(header) + len(payload) + 1).to_bytes(4, "little") + header + payload)
         return [protocol.MAGIC + fake.codec._sign(body) + body]
 
     # the controls: the hand-built header is the packed one, and it is accepted
