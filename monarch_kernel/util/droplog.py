@@ -9,7 +9,8 @@ summary line at the end of the interval, counted by reason and by peer::
     the controller dropped 19,874 more messages from 1 peer in the last 5 s:
     19,874 bad signature
 
-Guarantees: at most ``first`` + 1 lines per ``interval_s`` seconds (the
+Guarantees: at most ``first`` + 1 lines per ``interval_s`` seconds, and one
+per interval while a flood goes on (the
 summary is written by the first :meth:`DropLog.drop` or :meth:`DropLog.tick`
 after the interval ended; an owner calls ``tick`` periodically so that the
 last summary of a flood is not held back); every dropped message is counted
@@ -70,6 +71,7 @@ class DropLog:
         self._lock = threading.Lock()
         self._start: float | None = None  # when the interval began (None: no drop in it)
         self._told = 0  # drops of this interval reported one by one
+        self._ended = -float("inf")  # when the last interval was summed up
         self._reasons: Counter[str] = Counter()  # not yet reported, by reason
         self._peers: set[bytes] = set()  # ... their peers
 
@@ -86,6 +88,8 @@ class DropLog:
                 self._summarise(now)
             if self._start is None:
                 self._start = now
+                if now - self._ended >= self.interval_s:  # (not a flood that goes on)
+                    self._told = 0
             if self._told < self.first or self.interval_s <= 0:
                 self._told += 1
                 tell = True
@@ -119,6 +123,8 @@ class DropLog:
                              f"{peers:,}" if peers < MAX_PEERS else f"{peers:,}+",
                              "" if peers == 1 else "s", now - start, reasons)
         self._start = None
-        self._told = 0
+        # a flood that goes on is summed up from its first drop of the next interval
+        self._told = self.first if n else 0
+        self._ended = now
         self._reasons.clear()
         self._peers.clear()

@@ -216,3 +216,15 @@ def test_drop_log_reports_a_flood_in_few_lines(caplog):
     assert drops.total == 20_001 and drops.by_reason["bad signature"] == 20_000
     drops.tick()  # nothing more
     assert len(caplog.records) == 4
+    for i in range(1000):  # the flood goes on: one line per interval
+        now[0] = 6.0 + i / 100
+        drops.drop("bad signature", "bad message signature", b"peer-1")
+    now[0] = 20.0
+    drops.tick()
+    lines = [r.getMessage() for r in caplog.records][4:]
+    assert [ln.split(" in the last")[0] for ln in lines] == [
+        "the controller dropped 500 more messages from 1 peer",
+        "the controller dropped 500 more messages from 1 peer"], lines
+    now[0] = 100.0  # quiet for long: the next drop is told at once again
+    drops.drop("replayed", "replayed message x", b"peer-3")
+    assert caplog.records[-1].getMessage() == "the controller dropped a message: replayed message x"
