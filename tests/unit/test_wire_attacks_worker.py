@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from wire_attack_helpers import Evil, envelope, fields, split
+from wire_attack_helpers import Evil, count_drops, envelope, fields, split
 
 from monarch_kernel.testing.kernel import wait_for
+from monarch_kernel.util import droplog
 from monarch_kernel.wire import protocol as protocol
 from monarch_kernel.wire import serialize as serialize
 
@@ -48,7 +49,7 @@ class FakeController:
     """
 
     def __init__(self, tmp: Path, limits: bool = True,
-                 codec: protocol.Codec | None = None) -> None:
+                 codec: protocol.Codec | None = None, drops_every: float = 0) -> None:
         self.codec = codec or protocol.Codec(protocol.new_key(), "ctl")
         self.key = self.codec.key
         self.ctx = zmq.Context()
@@ -60,7 +61,7 @@ class FakeController:
         self._err = open(self.errpath, "wb")  # noqa: SIM115 - closed by close()
         cmd = [sys.executable, "-m", "monarch_kernel", "worker", "--controller", self.address,
                "--rank", "0", "--world-size", "1", "--heartbeat-timeout", "120",
-               "--telemetry-interval", "0", "--drops-every", "0"]  # (a line per drop)
+               "--telemetry-interval", "0", "--drops-every", str(drops_every)]
         if limits:
             cmd += ["--max-header", str(SMALL), "--max-buffers", str(SMALL)]
         # as a controller starts a rank: its epoch, and where the controller's stream stands
@@ -220,6 +221,28 @@ def test_a_message_signed_before_the_worker_started_is_refused(tmp_path, marker)
     fc = FakeController(tmp_path, codec=codec)
     try:
         _attack(fc, marker, [captured], expect="replayed message of 'ctl'")
+    finally:
+        fc.close()
+
+
+def test_a_flood_at_a_worker_is_summed_up(tmp_path, marker):
+    """With the default --drops-every, a worker logs the first few drops and
+    then one summary line per interval, and goes on serving."""
+    fc = FakeController(tmp_path, drops_every=droplog.INTERVAL_S)
+    try:
+        other = protocol.Codec(protocol.new_key(), "ctl")
+        frames = [bytes(f) for f in other.encode("execute", {"code": _marker_code(marker)})]
+        for _ in range(2000):
+            fc.send_raw(frames)
+        reply, _ = fc.execute("rank + 41")
+        assert reply == {"status": "ok", "value": 41}
+        wait_for(lambda: count_drops(fc.log()) >= 2000, 30, what="the summary of 2,000 drops")
+        assert count_drops(fc.log()) == 2000
+        lines = [ln for ln in fc.log().splitlines() if "dropped" in ln]
+        assert len(lines) == droplog.FIRST + 1, lines
+        assert (f"rank 0 dropped {2000 - droplog.FIRST:,} more messages from 1 peer in the "
+                "last ") in lines[-1] and lines[-1].endswith("bad signature"), lines
+        assert not marker.exists()
     finally:
         fc.close()
 
