@@ -15,6 +15,7 @@ from typing import Any
 
 from monarch_kernel.errors import raise_request_failures
 from monarch_kernel.tensors import store as tensor_store
+from monarch_kernel.transport.sockets import endpoint_host
 from monarch_kernel.util import gpu
 from monarch_kernel.worker import handlers
 
@@ -40,7 +41,7 @@ def setup_mesh(root: Any, timeout: float = 120.0) -> None:
     RemoteError
         If the set-up failed on a rank.
     """
-    host = root.controller.address.split("//")[1].rsplit(":", 1)[0]
+    host = endpoint_host(root.controller.address)  # (127.0.0.1 for a local mesh's ipc://)
     if root.launcher.local:
         master, port = host, _free_port(host)
     else:

@@ -400,10 +400,12 @@ def spawn_procs(
         ``"local"`` (subprocesses of this host) or ``"slurm"``.
     bind : str, optional
         Address the controller binds: an IPv4 address, an interface name,
-        a host name or ``0.0.0.0``. Default: loopback for the local launcher,
-        else the launcher's ``default_bind()`` (for Slurm: the address that
-        routes to the cluster). Beyond loopback, traffic is encrypted with
-        CurveZMQ (see ``encrypt``).
+        a host name or ``0.0.0.0``: the controller listens on TCP there.
+        Default: for the local launcher, no TCP at all (Unix sockets in a
+        directory only this user can enter); else the launcher's
+        ``default_bind()`` (for Slurm: the address that routes to the
+        cluster). TCP traffic is encrypted with CurveZMQ and only workers
+        holding the mesh's key are admitted (see ``encrypt``).
     heartbeat : float
         Seconds between heartbeats.
     timeout : float
@@ -417,9 +419,10 @@ def spawn_procs(
     max_restarts : int
         Restart budget of the whole mesh with ``restart="on-failure"``.
     encrypt : bool or None
-        Encrypt controller/worker traffic with CurveZMQ. Default: on when the
-        controller binds beyond loopback; turning it off there prints a
-        warning (messages are still signed).
+        Encrypt controller/worker TCP traffic with CurveZMQ and admit only
+        the mesh's workers at connect. Default: on for every TCP endpoint;
+        turning it off beyond loopback prints a warning (messages are still
+        signed).
 
     Returns
     -------
@@ -487,16 +490,18 @@ def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output:
                     encrypt: bool | None = None) -> Controller:
     """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
     try:
-        addr = resolve_bind(bind) if bind else la.default_bind()
+        addr = resolve_bind(bind) if bind else None if la.local else la.default_bind()
     except ValueError as e:
         raise MeshError(str(e)) from None
-    if encrypt is None:
-        encrypt = not is_loopback(addr)
+    # (no address: a local mesh, on Unix sockets only this user can connect; any TCP
+    # endpoint is encrypted and admits only the mesh's workers, unless encrypt=False)
     ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
+    if addr is None:
+        return ctl
     if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
         ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
         ctl.down_address = ctl.down_address.replace("0.0.0.0", la.default_bind(), 1)
-    if not is_loopback(addr) and not encrypt:
+    if not is_loopback(addr) and encrypt is False:
         print(f"warning: the mesh controller listens on {ctl.address} (not loopback) with "
               "encryption turned off: mesh traffic is signed (HMAC) but NOT encrypted, so "
               "anyone on that network can read it; use only trusted networks",

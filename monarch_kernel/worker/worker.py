@@ -76,6 +76,7 @@ from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import (
     Outbox,
     connect_dealer,
+    curve_client_keypair,
     inproc_pair,
     send_frames,
 )
@@ -126,7 +127,8 @@ class Worker:
     Parameters
     ----------
     address : str
-        The controller's ``tcp://host:port``.
+        The controller's endpoint: ``ipc://PATH`` on this host, else
+        ``tcp://host:port``.
     key : bytes
         The mesh's HMAC key.
     rank, world_size : int
@@ -139,7 +141,9 @@ class Worker:
     heartbeat_timeout : float
         Exit after this many seconds without hearing from the controller.
     curve_server_key : bytes or None
-        The controller's CurveZMQ public key; the connection is encrypted.
+        The controller's CurveZMQ public key; the connection is encrypted,
+        with the mesh's client key pair (derived from ``key``, which the
+        controller admits).
     down_address : str or None
         The controller's second endpoint (controller -> worker traffic); with
         it, sending and receiving use separate connections.
@@ -187,13 +191,16 @@ class Worker:
             self.lane = Lane(sock, f"lane-r{rank}")
             self.dealer = None
         elif down_address:
+            client = curve_client_keypair(key) if curve_server_key is not None else None
             # two connections: `dealer` (controller -> worker) is read by the I/O thread
             # only; `up` (worker -> controller) is written by any thread under a lock,
             # so a reply leaves without a hand-off to the I/O thread
-            self.dealer = connect_dealer(self.ctx, down_address, ident, curve_server_key)
-            self.up = connect_dealer(self.ctx, address, ident, curve_server_key)
+            self.dealer = connect_dealer(self.ctx, down_address, ident, curve_server_key, client)
+            self.up = connect_dealer(self.ctx, address, ident, curve_server_key, client)
         else:  # one connection, written by the I/O thread only (through the outbox)
-            self.dealer = connect_dealer(self.ctx, address, ident, curve_server_key)
+            self.dealer = connect_dealer(self.ctx, address, ident, curve_server_key,
+                                         curve_client_keypair(key) if curve_server_key
+                                         else None)
         self._up_lock = threading.Lock()
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
@@ -641,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     global current
     p = argparse.ArgumentParser(prog="python -m monarch_kernel worker")
-    p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
+    p.add_argument("--controller", required=True,
+                   help="the controller's endpoint (ipc://PATH or tcp://host:port)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--shape", default="", help='e.g. "hosts=1,procs=4"')
@@ -649,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
     p.add_argument("--controller-down", default=None,
-                   help="tcp://host:port the controller sends on (a second connection)")
+                   help="the endpoint the controller sends on (a second connection)")
     p.add_argument("--curve-server-key", default=None,
                    help="the controller's CurveZMQ public key (Z85): encrypt the connection")
     p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,
