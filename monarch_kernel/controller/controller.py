@@ -58,6 +58,7 @@ from monarch_kernel.transport.sockets import (
     drain,
     inproc_pair,
     is_loopback,
+    max_message_bytes,
     private_dir,
     remove_private_dir,
     send_frames,
@@ -119,7 +120,8 @@ class Controller:
         microseconds, a caller looks for its reply before it sleeps; see
         :mod:`monarch_kernel.controller.io`) is not a number from 0 to 10000,
         or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH``
-        (:mod:`monarch_kernel.util.switches`) is not 0 or 1.
+        (:mod:`monarch_kernel.util.switches`) is not 0 or 1, or
+        ``MONARCH_MAX_MESSAGE_BYTES`` is not a number of bytes of at least 1 MiB.
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class Controller:
         self.use_lanes = lanes_enabled()
         peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
         sched_batch_enabled()
+        max_message_bytes()
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         self.codec.pool = shm.Pool()

@@ -35,6 +35,7 @@ from monarch_kernel.launchers import get_launcher
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
+from monarch_kernel.transport.sockets import max_message_bytes
 from monarch_kernel.ui.status import StatusTable
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
@@ -202,6 +203,7 @@ class MeshMagics(Magics):
             lanes_enabled()  # (MONARCH_LANES, ...: likewise)
             peer_lead_enabled()
             sched_batch_enabled()
+            max_message_bytes()  # (MONARCH_MAX_MESSAGE_BYTES: every socket's bound)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         old = self.meshes.pop(a.name, None)

@@ -440,7 +440,9 @@ def spawn_procs(
         If ``MONARCH_SPIN_US`` is set to something other than 0-10000
         microseconds (see :mod:`monarch_kernel.controller.io`), or
         ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH`` to
-        something other than 0 or 1 (see :mod:`monarch_kernel.util.switches`).
+        something other than 0 or 1 (see :mod:`monarch_kernel.util.switches`),
+        or ``MONARCH_MAX_MESSAGE_BYTES`` to something other than a number of
+        bytes of at least 1 MiB (:mod:`monarch_kernel.transport.sockets`).
     """
     if isinstance(shape, int):
         shape = {"hosts": 1, "procs": shape}

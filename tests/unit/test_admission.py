@@ -188,3 +188,36 @@ def _raises(lane: lane_mod.Lane) -> bool:
 def test_endpoint_host():
     assert endpoint_host("ipc:///tmp/mk-abc/p0-12;monarch-peer-1") == "127.0.0.1"
     assert endpoint_host("tcp://10.0.0.2:5555|KEY;NAME") == "10.0.0.2"
+
+
+def test_actors_of_two_tcp_meshes_call_each_other(monkeypatch):
+    """Two meshes of one program on TCP (CurveZMQ, ZeroMQ between workers): a
+    caller connects to the other mesh's peer sockets with that mesh's client
+    key, which their ZAP handlers admit."""
+    import cloudpickle
+
+    from monarch_kernel import Actor, endpoint
+    from monarch_kernel.mesh.procmesh import spawn_procs
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Echo(Actor):
+        @endpoint
+        def echo(self, x: int) -> int:
+            return x
+
+        @endpoint
+        def ask(self, other, x: int) -> int:
+            return other.echo.call_one(x).get(timeout=30)
+
+    monkeypatch.setenv("MONARCH_LANES", "0")
+    a = spawn_procs(2, bind="127.0.0.1", timeout=60)
+    b = spawn_procs(2, bind="127.0.0.1", timeout=60)
+    try:
+        ea, eb = a.spawn("ea", Echo), b.spawn("eb", Echo)
+        assert all("|" in p for p in list(ea._peers.values()) + list(eb._peers.values()))
+        assert ea.ask.call(eb.slice(procs=1), 3).get(timeout=60).values() == [3, 3]
+        assert eb.ask.call(ea.slice(procs=0), 4).get(timeout=60).values() == [4, 4]
+    finally:
+        a.stop()
+        b.stop()
