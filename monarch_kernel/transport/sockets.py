@@ -160,7 +160,7 @@ def max_message_bytes() -> int:
 
 
 def _usable_base(path: str | None) -> bool:
-    if not path or len(path) > _DIR_MAX - 12:  # (mkdtemp adds "/mk-" and 8 characters)
+    if not path or len(path) > _DIR_MAX - 20:  # ("/mk-PID-" and 8 characters)
         return False
     try:
         st = os.stat(path)
@@ -176,7 +176,8 @@ def private_dir() -> str:
     enough, else under the temp directory (``$TMPDIR``), else under ``/tmp``;
     its path leaves room for a socket name of 24 bytes within the 107 bytes a
     Unix socket's path may have. The caller removes it
-    (:func:`remove_private_dir`).
+    (:func:`remove_private_dir`); those of this user's processes that were
+    killed first (the process id is in the name) are removed here.
 
     Raises
     ------
@@ -186,14 +187,47 @@ def private_dir() -> str:
     for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"):
         if not _usable_base(base):
             continue
-        try:
-            path = tempfile.mkdtemp(prefix="mk-", dir=base)  # (mode 0700)
+        assert base is not None
+        _sweep(base)
+        try:  # (named with this process's id: a later sweep removes it if it was killed)
+            path = tempfile.mkdtemp(prefix=f"mk-{os.getpid()}-", dir=base)  # (mode 0700)
         except OSError:
             continue
         os.chmod(path, 0o700)  # (mkdtemp's mode already; said again against odd umasks)
         return path
     raise TransportError("cannot make a private directory for the mesh's sockets under "
                          "$XDG_RUNTIME_DIR, $TMPDIR or /tmp; make one of them writable")
+
+
+def _sweep(base: str) -> None:
+    """Remove this user's private directories in ``base`` whose process is gone
+    (killed before it could remove them); best effort."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("mk-")]
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        pid = name[3:].partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: someone else's process)
+        return True
+    return True
 
 
 def remove_private_dir(path: str | None) -> None:

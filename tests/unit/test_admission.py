@@ -221,3 +221,33 @@ def test_actors_of_two_tcp_meshes_call_each_other(monkeypatch):
     finally:
         a.stop()
         b.stop()
+
+
+def test_private_dirs_of_killed_processes_are_swept(monkeypatch):
+    """A private directory is made under $XDG_RUNTIME_DIR, mode 0700, named with
+    the process id; making one removes those of this user's dead processes."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from monarch_kernel.transport.sockets import private_dir, remove_private_dir
+
+    base = tempfile.mkdtemp(prefix="mkt-", dir="/tmp")
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", base)
+        p = subprocess.Popen(["true"])
+        p.wait()
+        dead = os.path.join(base, f"mk-{p.pid}-abcdefgh")
+        os.mkdir(dead, 0o700)
+        open(os.path.join(dead, "up"), "w").close()
+        alive = os.path.join(base, f"mk-{os.getppid()}-abcdefgh")
+        os.mkdir(alive, 0o700)
+        made = private_dir()
+        assert os.path.dirname(made) == base
+        assert os.path.basename(made).startswith(f"mk-{os.getpid()}-")
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+        assert not os.path.exists(dead) and os.path.exists(alive)
+        remove_private_dir(made)
+        assert not os.path.exists(made)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
