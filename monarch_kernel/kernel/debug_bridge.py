@@ -73,9 +73,11 @@ def cell_console(magics: Any, m: ProcMesh, req: Request, printer: RankPrinter) -
     """
     input_fn, allow = stdin_bridge(magics.kernel)
 
-    def on_quit(ranks: list[int]) -> None:
-        if m.root.dist:
-            _quit_watches[req] = watch_quit(m.root, req, ranks)
+    def on_quit(ranks: list[int]) -> bool:
+        if not m.root.dist:
+            return False
+        _quit_watches[req] = watch_quit(m.root, req, ranks)
+        return True
 
     return DebugConsole(
         registry_for(m.controller), m, input_fn, _out, allow_stdin=allow, req=req,

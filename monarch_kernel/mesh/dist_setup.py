@@ -7,17 +7,16 @@ process group, and under NCCL checks that no two ranks share a GPU.
 
 A collective cannot be interrupted: a rank blocked in ``dist.barrier()``
 waits in C++ for its peers, and neither the kernel's interrupt nor
-``ProcessGroup.abort()`` (a no-op for gloo) frees it. When a rank quits its
-debugger while its peers wait for it in a collective (pytorch#154563), the
-controller (:func:`watch_quit`) asks the ranks still inside a
-``torch.distributed`` call to abort it (a ``debug_input`` message with
-``quit``, handled on the rank's I/O thread while its main thread stays
-blocked, :func:`abort_collectives`): the
-rank shuts down the TCP connections its process group made at set-up
-(:func:`init_rank` notes them), so the blocked call fails at once with
-"Connection closed by peer", and under NCCL it also aborts the
-communicators. The process group is then broken on every rank, and
-:func:`restore` sets it up again.
+``ProcessGroup.abort()`` (which frees no waiter under gloo) ends it. When a
+rank quits its debugger while its peers wait for it in a collective
+(pytorch#154563), the controller (:func:`watch_quit`) asks the cell's ranks
+still inside a ``torch.distributed`` call to abort it: a ``debug_input``
+message with ``quit``, handled on the rank's I/O thread while its main thread
+stays blocked (:func:`abort_collectives`). The rank shuts down the TCP
+connections its process group made at set-up (:func:`init_rank` notes them),
+so the blocked call fails at once with "Connection closed by peer" (under
+NCCL it also aborts the communicators). The process group is then broken on
+every rank, and :func:`restore_after_abort` sets it up again.
 """
 
 from __future__ import annotations
