@@ -314,10 +314,13 @@ class RankDead(TypedDict):
 
 
 class DebugInput(TypedDict):
-    """``debug_input``: a pdb command line (``line`` None: release the session)."""
+    """``debug_input``: a pdb command line (``line`` None: release the session); with
+    ``quit`` ``{"request": id, "ranks": [...]}`` (and ``session`` ""), no line: those
+    ranks of the request quit their debugger (a collective waiting for them is aborted)."""
 
     session: str
     line: str | None
+    quit: NotRequired[dict[str, Any]]
 
 
 class Ref(TypedDict):
