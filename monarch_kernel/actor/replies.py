@@ -68,7 +68,8 @@ def raise_failures(req: Request, actor: str) -> None:
                 exc = None
         if v.get("rejected") and isinstance(exc, MeshFailure):
             raise exc  # the actor is not there (stopped, never spawned)
-        failures.append(RemoteFailure(rank, exc, v["type"], v["message"], v["traceback"], actor))
+        failures.append(RemoteFailure(rank, exc, v["type"], v["message"], v["traceback"], actor,
+                                      v.get("tree")))
     groups = group_failures(failures)
     err = remote_exception(groups[0], ActorError)
     if len(groups) > 1:
