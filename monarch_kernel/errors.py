@@ -92,6 +92,19 @@ class MeshFailure(MeshError):
         Where it ran and how it ended (negative exit code: killed by signal).
     last_output : str
         The last lines the rank printed before it failed.
+
+    Attributes
+    ----------
+    endpoint : str or None
+        For an endpoint call that failed because a rank died: ``"actor.method"``.
+    partial : ValueMesh or None
+        For such a call to every actor of a mesh: the values of the ranks that
+        answered, :data:`~monarch_kernel.mesh.shape.MISSING` for the others.
+    cancelled : list of int
+        For such a call: the ranks that had not answered when it failed (the
+        call stopped waiting for them).
+    others : list of BaseException
+        What other ranks raised meanwhile.
     """
 
     def __init__(
@@ -110,6 +123,9 @@ class MeshFailure(MeshError):
         self.exitcode = exitcode
         self.last_output = last_output
         self.others: list[BaseException] = []
+        self.endpoint: str | None = None
+        self.partial: Any = None
+        self.cancelled: list[int] = []
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: the failure, then what other ranks raised."""
