@@ -306,3 +306,12 @@ def test_push_of_a_class_the_ranks_cannot_import(local_mesh, tmp_path):
     assert "cannot load 'model'" in msg and "class kernel_side_mod.Net" in msg
     local_mesh.push(ok=4)  # the mesh is fine
     assert local_mesh.exec("ok").values() == [4] * len(local_mesh.ranks)
+
+
+def test_endpoint_arguments_that_cannot_be_pickled_are_named(local_mesh):
+    t = local_mesh.spawn("trainer2", Trainer)
+    with pytest.raises(SerializationError) as info:
+        t.step.call(cfg={"lock": threading.Lock()})
+    msg = str(info.value)
+    assert "trainer2.step()" in msg and "kwargs['cfg']['lock'] -> _thread.lock" in msg, msg
+    assert info.value.__cause__ is None
