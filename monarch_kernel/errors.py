@@ -19,7 +19,13 @@ style of httpx's ``_exceptions.py``::
 ``RemoteError`` instances built by :func:`remote_exception` are also instances
 of the original exception's type, so ``except ZeroDivisionError`` works on the
 controller (the idea comes from ipyparallel's ``RemoteError`` and
-``CompositeError``; here the type itself is kept as well).
+``CompositeError``; here the type itself is kept as well). A rank sends an
+exception as a description that always unpickles
+(:mod:`monarch_kernel.wire.exctree`); it is rebuilt here with its cause,
+context and group members, each a remote error of its own with the rank's
+traceback. Where the original type cannot be had or instantiated here, a
+plain :class:`RemoteError` stands for it (``remote_type`` names it; a group's
+members are then in its ``exceptions``).
 """
 
 from __future__ import annotations
@@ -411,8 +417,10 @@ def remote_exception(
 ) -> RemoteError:
     """Build one exception for failures that are alike.
 
-    The result is an instance of ``base`` and, when the original exception
-    could be unpickled, of the original type too.
+    The result is an instance of ``base`` and, when the original type can be
+    had here (unpickled, or already imported), of the original type too; built
+    from the first failure's description (``tree``) when it has one, with its
+    ``__cause__``, ``__context__`` and, for a group, its members.
 
     Parameters
     ----------

@@ -4,9 +4,12 @@ and of values that cannot be pushed."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
+
+groups = pytest.mark.skipif(sys.version_info < (3, 11), reason="no exception groups before 3.11")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,7 @@ def test_memory_error(ks):
     assert "raise MemoryError('out of it')" in text  # the rank's traceback
 
 
+@groups
 def test_nested_exception_group(ks):
     code = textwrap.dedent("""\
         %%mesh
@@ -111,9 +115,16 @@ ACTORS = textwrap.dedent("""\
     """)
 
 
-def test_endpoint_raising_a_group_and_a_rank_killed_mid_call(ks):
+@pytest.fixture(scope="module")
+def trainer(ks):
     r = ks.execute(ACTORS, timeout=60)
     assert r.status == "ok", r.error_text()
+    return ks
+
+
+@groups
+def test_endpoint_raising_a_group(trainer):
+    ks = trainer
     ename, text = cell_error(ks, "trainer.grp.call().get(timeout=30)")
     assert ename == "ExceptionGroup", text
     assert "bad step" in text and "nan on rank 3" in text and "actor trainer" in text
@@ -125,6 +136,10 @@ def test_endpoint_raising_a_group_and_a_rank_killed_mid_call(ks):
         """), timeout=60)
     assert r.status == "ok", r.error_text()
     assert "caught 1" in r.stream()
+
+
+def test_rank_killed_during_an_endpoint_call(trainer):
+    ks = trainer
     r = ks.execute(textwrap.dedent("""\
         try:
             trainer.step.call().get(timeout=60)
