@@ -509,16 +509,11 @@ def answer(w: Any, mid: str, c: Call, route: list[bytes] | None, status: str,
 
 
 def failure_of(worker: Any, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
-    """The failure dict an error reply carries for ``e`` (``Worker.describe_failure``,
-    with the exception itself packed when it pickles); ``e``'s traceback loses its
-    frames of the actor host and of asyncio."""
+    """The failure dict an error reply carries for ``e`` (``Worker.describe_failure``:
+    the exception's description, which unpickles anywhere); ``e``'s traceback loses
+    its frames of the actor host and of asyncio."""
     e.__traceback__ = _user_traceback(e.__traceback__)
-    f = worker.describe_failure(e, with_traceback)
-    exc = f.get("exc")
-    try:
-        f["exc"] = Packed.pack(exc) if exc is not None else None
-    except SerializationError:
-        f["exc"] = None
+    f: dict[str, Any] = worker.describe_failure(e, with_traceback)
     return f
 
 

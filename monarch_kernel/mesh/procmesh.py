@@ -27,6 +27,7 @@ from monarch_kernel.errors import (
     MeshError,
     MeshFailure,
     RankSpecError,
+    SerializationError,
     raise_request_failures,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
@@ -41,6 +42,7 @@ from monarch_kernel.mesh.supervision import (
 from monarch_kernel.tensors.handles import ref_of
 from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
 from monarch_kernel.transport.sockets import is_loopback
+from monarch_kernel.wire.serialize import Packed, cuda_ipc, find_unpicklable
 
 __all__ = ["HostMesh", "ProcMesh", "live_meshes", "spawn_procs", "this_host"]
 
@@ -186,8 +188,32 @@ class ProcMesh:
         return self.collect(self.run(code), timeout=timeout)
 
     def push(self, **values: Any) -> None:
-        """Copy ``values`` into every rank's namespace."""
-        self.collect(self.request("push", values))
+        """Copy ``values`` into every rank's namespace.
+
+        Each value is pickled on its own, so an error names it.
+
+        Raises
+        ------
+        SerializationError
+            If a value cannot be pickled: the message names the variable and the
+            part of it that fails (``f.__closure__[0].cell_contents -> _thread.lock``).
+        RemoteError
+            (also a :class:`SerializationError`) if a value cannot be unpickled on
+            the ranks: the message names the variable and the class that is missing.
+        """
+        self._check()
+        ranks = self.ranks
+        ctl = self.controller
+        packed: dict[str, Any] = {}
+        # (one process on this host: large CUDA tensors may go by IPC handle, as a
+        # request's content would)
+        with cuda_ipc(len(ranks) == 1 and ranks[0] in ctl.local_ranks):
+            for name, value in values.items():
+                try:
+                    packed[name] = Packed.pack(value)
+                except SerializationError as e:
+                    raise SerializationError(unsendable(name, value, e), brief=True) from None
+        self.collect(self.request("push", packed))
 
     def pull(self, name: str) -> ValueMesh:
         """A variable from every rank's namespace, as a :class:`ValueMesh`.
@@ -368,6 +394,17 @@ def _print_event(printer: Any, ev: tuple) -> None:
         text = ev[2].get("data", {}).get("text/plain")
         if text:
             printer.feed(ev[1], "stdout", text + "\n")
+
+
+def unsendable(name: str, value: Any, e: BaseException) -> str:
+    """What a user is told when variable ``name`` cannot be sent (``e``: why)."""
+    found = find_unpicklable(value, name)
+    if found is None:  # (it failed with others, or only now and then)
+        return f"cannot send {name!r} to the ranks: {e.__cause__ or e}"
+    path, kind, reason = found
+    return (f"cannot send {name!r} to the ranks: {path} -> {kind} cannot be pickled "
+            f"({reason}); create that on the ranks instead (in a %%mesh cell), or leave "
+            "it out of what you send")
 
 
 def spawn_procs(

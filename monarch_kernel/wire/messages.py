@@ -153,7 +153,10 @@ class Failure(TypedDict):
     type: str  # qualified name of the exception type
     message: str
     traceback: str
-    exc: Any  # Packed exception, or None when it does not pickle
+    exc: Any  # Packed exception, or None (see tree)
+    #: the exception's description (monarch_kernel.wire.exctree.ExcNode): rebuilt on
+    #: arrival with its cause, context and group members (errors.remote_exception)
+    tree: NotRequired[Any]
     rejected: NotRequired[bool]  # the call never ran (no such actor)
     code: NotRequired[str]  # "noipc": a buffer owner refused CUDA IPC
 

@@ -80,9 +80,9 @@ from monarch_kernel.transport.sockets import (
     inproc_pair,
     send_frames,
 )
-from monarch_kernel.wire import protocol, serialize
+from monarch_kernel.wire import exctree, protocol, serialize
 from monarch_kernel.wire import shm as _shm
-from monarch_kernel.wire.serialize import cuda_ipc, reply_content
+from monarch_kernel.wire.serialize import Packed, cuda_ipc, reply_content
 from monarch_kernel.worker import display, handlers, telemetry
 from monarch_kernel.worker.capture import FdCapture
 from monarch_kernel.worker.io import WorkerIO, exit_process
@@ -454,7 +454,7 @@ class Worker:
                     f"({e.__cause__ or e}); {'pull' if names else 'return'} something picklable"
                 )
             else:
-                failure = dict(value, exc=None)
+                failure = dict(value, exc=None, tree=None)
             self.send("reply", {"status": "error", "value": failure}, parent)
 
     def reply_many(self, items: list[tuple[str, Any]]) -> None:
@@ -465,7 +465,11 @@ class Worker:
         self.send("replies", items)
 
     def describe_failure(self, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
-        """A picklable description of exception ``e`` (see errors.RemoteFailure)."""
+        """A description of exception ``e`` that unpickles anywhere (a
+        :class:`~monarch_kernel.wire.messages.Failure`; see errors.RemoteFailure):
+        its type, message and traceback text, and in ``tree`` the description
+        (:mod:`monarch_kernel.wire.exctree`) the controller rebuilds it from, with
+        its cause, context and group members."""
         tb = e.__traceback__
         # drop this module's own frames from the top of the traceback
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
@@ -474,34 +478,20 @@ class Worker:
             tb = cut_debugger_frames(tb)
             if not e.args:
                 e.args = ("interrupted",)
-        text = ""
-        if with_traceback:
-            # this module's frames (e.g. the SIGINT handler that raised) are not the user's
-            frames = [f for f in traceback.extract_tb(tb) if f.filename != __file__]
-            if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
-                frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
-            only = (e.format_exception_only() if isinstance(e, RemoteError)
-                    else traceback.format_exception_only(type(e), e))
-            text = "".join(["Traceback (most recent call last):\n",
-                            *traceback.format_list(frames), *only]) if frames else "".join(only)
-        inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
-        if text and inner:  # it came from other ranks: show where it was raised too
-            for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
-                who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
-                text += (f"\n{'which came from' if i == 0 else 'and from'} "
-                         f"{ranks_label(getattr(part, 'ranks', []))}{who}:\n"
-                         + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
-        exc: BaseException | None = e
+        e.__traceback__ = tb
+
         try:
-            serialize.dumps(e)
-        except SerializationError:
-            exc = None
+            tree: Any = exctree.describe(e, _own_text if with_traceback else None)
+        except Exception:  # noqa: BLE001 - the type and message still go back
+            log.exception("rank %s: cannot describe a failure", self.rank)
+            tree = None
         e.__traceback__ = None
         return {
             "type": _type_name(e),
-            "message": str(e),
-            "traceback": text,
-            "exc": exc,
+            "message": tree["message"] if tree else str(e),
+            "traceback": tree["traceback"] if tree else "",
+            "exc": None,
+            "tree": tree,
         }
 
     # ------------------------------------------------------------- requests
@@ -540,7 +530,16 @@ class Worker:
         return result
 
     def _do_push(self, content: dict[str, Any]) -> None:
-        self.namespace.update(content)
+        values = {}
+        for name, value in content.items():
+            if isinstance(value, Packed):  # (each value pickled on its own: see ProcMesh.push)
+                try:
+                    value = value.unpack()
+                except Exception as e:  # noqa: BLE001 - told to the controller, in words
+                    why = serialize.load_failure(e, value.payload, "on the ranks")
+                    raise SerializationError(f"cannot load {name!r}: {why}") from None
+            values[name] = value
+        self.namespace.update(values)
 
     def _do_pull(self, content: dict[str, Any]) -> list[Any]:
         out = []
@@ -596,6 +595,28 @@ def cut_debugger_frames(tb: types.TracebackType | None) -> types.TracebackType |
     for e in reversed(entries):
         out = types.TracebackType(out, e.tb_frame, e.tb_lasti, e.tb_lineno)
     return out
+
+
+def _own_text(e: BaseException) -> str:
+    """The text of one exception raised on this rank: its frames (less the worker's
+    own) and its ``Type: message`` line; an error that came from other ranks (a
+    :class:`RemoteError` let through) says where it was raised too."""
+    # this module's frames (e.g. the SIGINT handler that raised) are not the user's
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
+        frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
+    only = (e.format_exception_only() if isinstance(e, RemoteError)
+            else traceback.format_exception_only(type(e), e))
+    text = "".join(["Traceback (most recent call last):\n",
+                    *traceback.format_list(frames), *only]) if frames else "".join(only)
+    inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
+    if text and inner:  # it came from other ranks: show where it was raised too
+        for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
+            who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
+            text += (f"\n{'which came from' if i == 0 else 'and from'} "
+                     f"{ranks_label(getattr(part, 'ranks', []))}{who}:\n"
+                     + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
+    return text
 
 
 def _type_name(obj: Any) -> str:
