@@ -57,16 +57,14 @@ DEFAULT_GRACE = 2.0
 
 
 # ------------------------------------------------------------------ killing
-def _session_members(sids: set[int]) -> list[int]:
-    """Pids in one of sessions ``sids`` but outside the process group of the
-    same number (Linux /proc; [] elsewhere)."""
-    out: list[int] = []
-    if not sids:
-        return out
+def _members(ids: set[int]) -> list[tuple[int, int, int]] | None:
+    """``(pid, process group, session)`` of the live (not zombie) processes
+    whose process group or session is in ``ids``; None where /proc cannot tell."""
+    out: list[tuple[int, int, int]] = []
     try:
         names = os.listdir("/proc")
     except OSError:
-        return out
+        return None
     for name in names:
         if not name.isdigit():
             continue
@@ -74,31 +72,45 @@ def _session_members(sids: set[int]) -> list[int]:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
             fields = stat[stat.rfind(b")") + 2:].split()  # state ppid pgrp session ...
-            pgrp, sid = int(fields[2]), int(fields[3])
+            state, pgrp, sid = fields[0], int(fields[2]), int(fields[3])
         except (OSError, IndexError, ValueError):
             continue
-        if sid in sids and pgrp != sid:
-            out.append(int(name))
+        if (pgrp in ids or sid in ids) and state not in (b"Z", b"X"):
+            out.append((int(name), pgrp, sid))
     return out
 
 
-def _signal_trees(pgids: set[int], sig: int, session: bool = True) -> set[int]:
-    """Send ``sig`` to process groups ``pgids`` (and to the other processes of
-    sessions ``pgids`` when ``session``); the groups that had a process."""
-    hit = set()
-    for pgid in pgids:
-        try:
-            os.killpg(pgid, sig)
-            hit.add(pgid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if session:
-        for pid in _session_members(pgids):
+def _signal_trees(ids: set[int], sig: int) -> set[int]:
+    """Send ``sig`` to process groups ``ids`` and to the other processes of
+    sessions ``ids``; return the ids that still have a live process (sig 0:
+    only look)."""
+    if not ids:
+        return set()
+    members = _members(ids)
+    if members is None:  # no /proc: the groups only
+        left = set()
+        for pgid in ids:
             try:
-                os.kill(pid, sig)
+                os.killpg(pgid, sig)
+                left.add(pgid)
             except (ProcessLookupError, PermissionError):
                 pass
-    return hit
+        return left
+    left = {pgrp for _, pgrp, _ in members if pgrp in ids}
+    left |= {sid for _, _, sid in members if sid in ids}
+    if sig:
+        for pgid in left & ids:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid, pgrp, sid in members:
+            if sid in ids and pgrp not in ids:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    return left
 
 
 # ------------------------------------------------------------- the process
@@ -163,7 +175,7 @@ class _Watch:
     def due(self) -> None:
         """Forget the groups that are empty; SIGKILL the ones whose grace passed."""
         now = time.monotonic()
-        left = _signal_trees(set(self.pending), 0, False)
+        left = _signal_trees(set(self.pending), 0)
         late = {g for g in left if now >= self.pending[g]}
         _signal_trees(late, signal.SIGKILL)
         self.pending = {g: t for g, t in self.pending.items() if g in left and g not in late}
@@ -221,7 +233,7 @@ class _Watch:
         deadline = time.monotonic() + self.grace
         while groups and time.monotonic() < deadline:
             time.sleep(0.05)
-            groups = _signal_trees(groups, 0, False)
+            groups = _signal_trees(groups, 0)
         _signal_trees(groups, signal.SIGKILL)
         self._run_all("kill")
 
