@@ -231,7 +231,8 @@ class _Watch:
         groups = _signal_trees(self.workers | self.ended, signal.SIGTERM) | set(self.pending)
         self._run_all("term")
         deadline = time.monotonic() + self.grace
-        while groups and time.monotonic() < deadline:
+        jobs = any(spec.get("kill") for spec in self.onexit.values())  # (cannot be watched)
+        while (groups or jobs) and time.monotonic() < deadline:
             time.sleep(0.05)
             groups = _signal_trees(groups, 0)
         _signal_trees(groups, signal.SIGKILL)
