@@ -56,8 +56,10 @@ def _descendants(pids: list[int], n: int) -> list[int]:
     return wait_for(look, 10, what=f"{n} processes started by the ranks")
 
 
-def _time_until_gone(pids: list[int], bound: float, what: str) -> float:
-    t0 = time.monotonic()
+def _time_until_gone(pids: list[int], bound: float, what: str,
+                     since: float | None = None) -> float:
+    """Seconds from ``since`` (default: now) until none of ``pids`` is alive."""
+    t0 = time.monotonic() if since is None else since
     wait_for(lambda: not any(_alive(p) for p in pids), bound + 5, what=what)
     return time.monotonic() - t0
 
@@ -98,10 +100,11 @@ def test_rank_holding_the_gil_ends_with_its_killed_kernel(code):
         _busy(workers[0])
         assert all(_alive(p) for p in workers)
         os.kill(ks.pid, signal.SIGKILL)
-        took = _time_until_gone(workers, RANK_BOUND_S, "GIL-bound ranks gone")
-        took_kids = _time_until_gone(kids, CHILDREN_BOUND_S, "the ranks' children gone")
+        t0 = time.monotonic()
+        took = _time_until_gone(workers, RANK_BOUND_S, "GIL-bound ranks gone", t0)
+        took_kids = _time_until_gone(kids, CHILDREN_BOUND_S, "the ranks' children gone", t0)
         print(f"GIL-bound ranks ended {took:.2f} s after the kernel's SIGKILL, "
-              f"their children {took_kids:.2f} s after")
+              f"their children {took_kids:.2f} s after it")
         assert took < RANK_BOUND_S
         assert took_kids < CHILDREN_BOUND_S
     finally:
