@@ -272,3 +272,50 @@ def test_a_rank_stuck_in_c_code_ends_when_the_kernel_is_killed(slurm):
                 psutil.Process(pid).kill()
         ks.kc.stop_channels()
         ks.km.cleanup_resources()
+
+
+ALLOC_KILLED_DRIVER = r'''
+import os, signal, threading, time
+from monarch_kernel.mesh.procmesh import spawn_procs
+m = spawn_procs(2, launcher="slurm", timeout=60)
+pids = m.exec("import os\nos.getpid()").values()
+deadline = time.monotonic() + 20
+while m.launcher.units[0].step is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+threading.Thread(target=lambda: m.exec("sum(range(10**13))"), daemon=True).start()
+time.sleep(2)
+print("PIDS", list(pids), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_inside_an_allocation_a_stuck_step_ends_when_its_controller_is_killed(slurm, tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(ALLOC_KILLED_DRIVER)
+    name = f"monarch-killed-{os.getpid()}"
+    salloc = subprocess.Popen(["salloc", "-n2", "-J", name, "bash", "-c",
+                               f"{sys.executable} {driver}; sleep 120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    pids: list[int] = []
+    try:
+        line = salloc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("PIDS"), line
+        t0 = time.monotonic()
+        pids = eval(line.split(" ", 1)[1])
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                 != psutil.STATUS_ZOMBIE for p in pids), 20,
+                 what="the step's ranks gone")
+        took = time.monotonic() - t0
+        print(f"in an allocation, GIL-bound ranks ended {took:.2f} s after their "
+              "controller's SIGKILL")
+        assert took < 10.0
+        assert _jobs(name)  # the user's allocation stays
+    finally:
+        for job in _jobs(name):
+            _sh("scancel", job)
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+        salloc.kill()
+        salloc.wait(30)
