@@ -123,6 +123,7 @@ class _Watch:
         self.poll = select.poll()
         self.fds: dict[int, int] = {}  # pidfd -> worker pid
         self.workers: set[int] = set()
+        self.polled: set[int] = set()  # workers without a pidfd: looked at every 0.1 s
         self.onexit: dict[str, dict[str, list[list[str]]]] = {}
         self.pending: dict[int, float] = {}  # pgid -> when SIGKILL is due
         self.ended: set[int] = set()  # workers that ended in this round
@@ -143,12 +144,14 @@ class _Watch:
         return os.getppid() != self.controller
 
     def add(self, pid: int) -> None:
-        fd = self._pidfd(pid)
-        if fd is None:  # already gone (or no pidfd here): end what is left of it
-            if hasattr(os, "pidfd_open"):
-                self.ended.add(pid)
-            else:
-                self.workers.add(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: end what is left of it
+            self.ended.add(pid)
+            return
+        except (AttributeError, OSError):  # no pidfds here, or no fd left
+            self.workers.add(pid)
+            self.polled.add(pid)
             return
         self.fds[fd] = pid
         self.workers.add(pid)
@@ -180,38 +183,50 @@ class _Watch:
         _signal_trees(late, signal.SIGKILL)
         self.pending = {g: t for g, t in self.pending.items() if g in left and g not in late}
 
+    def read_commands(self) -> bool:
+        """Carry out the commands waiting on stdin; False at its end."""
+        try:
+            data = os.read(0, 65536)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        for line in lines:
+            try:
+                self.command(line.decode())
+            except (ValueError, TypeError, UnicodeDecodeError):
+                pass
+        return True
+
     def run(self) -> None:
-        if self.controller_gone():
+        if self.controller_gone():  # it died while we started: what did it start?
+            os.set_blocking(0, False)
+            while self.read_commands() and select.select([0], [], [], 0.2)[0]:
+                pass
             return self.controller_ended()
         while True:
             polling = self.ctl_fd is None
-            timeout = 100 if (self.pending or polling) else None
+            timeout = 100 if (self.pending or self.polled or polling) else None
             for fd, _ in self.poll.poll(timeout):
                 if fd == 0:
-                    data = os.read(0, 65536)
-                    if not data:
+                    if not self.read_commands():
                         return self.controller_ended()
-                    self.buf += data
-                    *lines, self.buf = self.buf.split(b"\n")
-                    for line in lines:
-                        try:
-                            self.command(line.decode())
-                        except (ValueError, TypeError, UnicodeDecodeError):
-                            pass
                 elif fd == self.ctl_fd:
                     return self.controller_ended()
                 else:
                     self.poll.unregister(fd)
                     os.close(fd)
                     self.ended.add(self.fds.pop(fd))
-            if polling:  # no pidfds here: look for exits every 0.1 s
-                if self.controller_gone():
-                    return self.controller_ended()
-                for pid in list(self.workers):
-                    try:
-                        os.kill(pid, 0)
-                    except ProcessLookupError:
-                        self.ended.add(pid)
+            if polling and self.controller_gone():  # no pidfd: look every 0.1 s
+                return self.controller_ended()
+            for pid in list(self.polled):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    self.polled.discard(pid)
+                    self.ended.add(pid)
             if self.ended:
                 self.end_groups()
             if self.pending:
@@ -246,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     controller = int(args[0])
     grace = float(args[1]) if len(args) > 1 else DEFAULT_GRACE
-    if os.getppid() != controller:  # the controller died before we started
-        return 0
+    try:  # one pidfd per worker
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
     _Watch(controller, grace).run()
     return 0
 
