@@ -347,8 +347,10 @@ class Guardian:
                 self._write(f"drop {key}")
 
     def close(self, timeout: float = DEFAULT_GRACE + 1.0) -> None:
-        """Stop the guardian: what it still watches ends as if this process had
-        (SIGTERM, SIGKILL after ``grace``); waits up to ``timeout`` seconds."""
+        """Stop the guardian: the :meth:`on_exit` commands are dropped (the
+        caller ended those jobs itself); the process groups it still watches end
+        as if this process had (SIGTERM, SIGKILL after ``grace``). Waits up to
+        ``timeout`` seconds for it."""
         with self._lock:
             for key in self._onexit:  # (what the caller stopped itself)
                 self._write(f"drop {key}")
