@@ -19,7 +19,13 @@ style of httpx's ``_exceptions.py``::
 ``RemoteError`` instances built by :func:`remote_exception` are also instances
 of the original exception's type, so ``except ZeroDivisionError`` works on the
 controller (the idea comes from ipyparallel's ``RemoteError`` and
-``CompositeError``; here the type itself is kept as well).
+``CompositeError``; here the type itself is kept as well). A rank sends an
+exception as a description that always unpickles
+(:mod:`monarch_kernel.wire.exctree`); it is rebuilt here with its cause,
+context and group members, each a remote error of its own with the rank's
+traceback. Where the original type cannot be had or instantiated here, a
+plain :class:`RemoteError` stands for it (``remote_type`` names it; a group's
+members are then in its ``exceptions``).
 """
 
 from __future__ import annotations
@@ -92,6 +98,19 @@ class MeshFailure(MeshError):
         Where it ran and how it ended (negative exit code: killed by signal).
     last_output : str
         The last lines the rank printed before it failed.
+
+    Attributes
+    ----------
+    endpoint : str or None
+        For an endpoint call that failed because a rank died: ``"actor.method"``.
+    partial : ValueMesh or None
+        For such a call to every actor of a mesh: the values of the ranks that
+        answered, :data:`~monarch_kernel.mesh.shape.MISSING` for the others.
+    cancelled : list of int
+        For such a call: the ranks that had not answered when it failed (the
+        call stopped waiting for them).
+    others : list of BaseException
+        What other ranks raised meanwhile.
     """
 
     def __init__(
@@ -110,6 +129,9 @@ class MeshFailure(MeshError):
         self.exitcode = exitcode
         self.last_output = last_output
         self.others: list[BaseException] = []
+        self.endpoint: str | None = None
+        self.partial: Any = None
+        self.cancelled: list[int] = []
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: the failure, then what other ranks raised."""
@@ -122,7 +144,23 @@ class MeshFailure(MeshError):
 
 
 class SerializationError(MonarchError):
-    """A value could not be pickled (to send) or unpickled (on arrival)."""
+    """A value could not be pickled (to send) or unpickled (on arrival).
+
+    One made with ``brief=True`` (a value the user sent that cannot be pickled:
+    the message names the variable and the part that fails) is shown in IPython
+    as its message alone, without the frames of this package it went through.
+    """
+
+    def __init__(self, *args: Any, brief: bool = False) -> None:
+        super().__init__(*args)
+        if brief:
+            self.brief = True
+
+    @property
+    def _render_traceback_(self) -> Any:  # (an attribute only where brief: see hasattr)
+        if not self.__dict__.get("brief"):
+            raise AttributeError("_render_traceback_")
+        return lambda: [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 class RemoteError(MonarchError):
@@ -178,6 +216,10 @@ class RemoteError(MonarchError):
         # prints an uncaught exception or traceback.format_exception formats it: the
         # remote traceback, which IPython shows through _render_traceback_, shown in a
         # plain script too. Kept in the instance, so add_note() adds to it.
+        if name == "__notes__" and self.__dict__.get("_nested"):
+            # a member or cause of another remote error: that one's note shows it
+            notes = self.__dict__["__notes__"] = list(self.__dict__.get("_added_notes", ()))
+            return notes
         if name == "__notes__":
             auto = "\n".join(_ANSI.sub("", line) for line in self._render_traceback_())
             self.__dict__["_auto_note"] = auto
@@ -274,10 +316,39 @@ def _rebuild_remote(base: type[RemoteError], exc_type: type[BaseException] | Non
                     args: tuple, state: dict[str, Any]) -> RemoteError:
     """Unpickle a :class:`RemoteError` (see ``RemoteError.__reduce__``)."""
     cls = (_remote_subclass(base, exc_type) if exc_type is not None else None) or base
-    err = cls.__new__(cls)
-    err.args = args
+    err = _instantiate(cls, args)
+    if err is None:
+        err = base.__new__(base)
+        err.args = args
     err.__dict__.update(state)
     return err
+
+
+def _instantiate(cls: type[RemoteError], args: tuple) -> RemoteError | None:
+    """An instance of ``cls`` with ``args``, without calling ``__init__`` (which
+    may want other arguments); None if neither ``__new__`` accepts them.
+
+    Each ``__new__`` of the classes of ``cls.__mro__`` is tried in turn (a group's
+    keeps its members, an ``OSError``'s reads ``errno``): C's refuses the ones of
+    other layouts (``MemoryError.__new__`` of a class whose first base is not a
+    ``MemoryError``, ``Exception.__new__`` of a group), and one of them fits."""
+    news: list[Any] = []
+    for c in cls.__mro__:
+        if "__new__" in vars(c) and c.__new__ not in news:
+            news.append(c.__new__)
+    for new in news:
+        try:
+            err = new(cls, *args)
+        except Exception:  # noqa: BLE001, S112 - try the next way
+            continue
+        if isinstance(err, cls):
+            try:
+                if err.args != tuple(args) and not hasattr(err, "exceptions"):
+                    err.args = tuple(args)
+            except Exception:  # noqa: BLE001, S110 - the args __new__ kept stay
+                pass
+            return err
+    return None
 
 
 def original_type(exc: BaseException) -> type[BaseException] | None:
@@ -299,6 +370,12 @@ class RemoteFailure:
     type_name : str
     message : str
     traceback : str
+    actor : str or None
+        The actor whose endpoint raised it.
+    tree : dict or None
+        The exception's description (:mod:`monarch_kernel.wire.exctree`), from
+        which :func:`remote_exception` rebuilds it with its cause, context and
+        group members; None for failures made without one (then ``exc`` is used).
     """
 
     def __init__(
@@ -309,6 +386,7 @@ class RemoteFailure:
         message: str,
         traceback: str,
         actor: str | None = None,
+        tree: Any = None,
     ) -> None:
         self.rank = rank
         self.exc = exc
@@ -316,6 +394,7 @@ class RemoteFailure:
         self.message = message
         self.traceback = traceback
         self.actor = actor
+        self.tree = tree
 
     def key(self) -> tuple[str, str, str]:
         """What makes two failures "alike" (type, message, traceback)."""
@@ -338,8 +417,10 @@ def remote_exception(
 ) -> RemoteError:
     """Build one exception for failures that are alike.
 
-    The result is an instance of ``base`` and, when the original exception
-    could be unpickled, of the original type too.
+    The result is an instance of ``base`` and, when the original type can be
+    had here (unpickled, or already imported), of the original type too; built
+    from the first failure's description (``tree``) when it has one, with its
+    ``__cause__``, ``__context__`` and, for a group, its members.
 
     Parameters
     ----------
@@ -350,23 +431,24 @@ def remote_exception(
     """
     first = failures[0]
     ranks = sorted(f.rank for f in failures)
-    original = first.exc
     err: Any = None
+    if isinstance(first.tree, dict):
+        try:
+            err = _from_tree(first.tree, base, ranks, first.actor, [_MAX_REBUILT])
+        except Exception:  # noqa: BLE001 - a malformed description: the text still tells
+            err = None
+        if err is not None:
+            err.__dict__.pop("_nested", None)
+    original = first.exc if err is None else None
     # an error that came through several ranks (an endpoint that let another rank's
     # error through) stands for the innermost original type
     exc_type = original_type(original) if original is not None else None
     if exc_type is not None and original is not None:  # (exc_type implies original)
         cls = _remote_subclass(base, exc_type)
         if cls is not None:
-            err = cls.__new__(cls)
-            err.args = original.args
-            try:
-                err.__dict__.update(getattr(original, "__dict__", {}))
-            except (AttributeError, TypeError):
-                pass
-            err.__dict__.pop("others", None)  # (of the inner error's group)
-            for k in ("__notes__", "_auto_note", "_added_notes"):  # (the rank's traceback
-                err.__dict__.pop(k, None)  # shows its notes: made again from it here)
+            err = _instantiate(cls, _ctor_args(original))
+            if err is not None:
+                _copy_state(err, getattr(original, "__dict__", {}))
     if err is None:
         err = base.__new__(base)
         err.args = (first.message,)
@@ -375,6 +457,114 @@ def remote_exception(
     err.remote_type = first.type_name
     err.remote_traceback = first.traceback
     err.actor = first.actor
+    return err
+
+
+#: the most exceptions rebuilt from one description
+_MAX_REBUILT = 256
+_NOTHING = object()
+
+
+def _copy_state(err: BaseException, state: Any) -> None:
+    """Copy an original exception's ``__dict__`` into ``err``, less what belongs to
+    the error it came through (its group, its notes: made again from the rank's text)."""
+    try:
+        err.__dict__.update(state)
+    except (AttributeError, TypeError, ValueError):
+        return
+    err.__dict__.pop("others", None)  # (of the inner error's group)
+    for k in ("__notes__", "_auto_note", "_added_notes", "_nested"):  # (the rank's traceback
+        err.__dict__.pop(k, None)  # shows its notes: made again from it here)
+
+
+def _ctor_args(exc: BaseException) -> tuple:
+    """The arguments ``exc`` is rebuilt from: those of its ``__reduce__`` when that
+    calls its type (an ``OSError``'s adds the file name), else its ``args``."""
+    try:
+        r = exc.__reduce__()
+        if isinstance(r, tuple) and len(r) >= 2 and r[0] is type(exc) and isinstance(r[1],
+                                                                                   tuple):
+            return r[1]
+    except Exception:  # noqa: BLE001, S110 - its args, then
+        pass
+    return tuple(exc.args)
+
+
+def _open(blob: Any) -> Any:
+    """What a pickled part of a description holds, or ``_NOTHING``."""
+    if blob is None:
+        return _NOTHING
+    try:
+        return blob.unpack()
+    except BaseException:  # noqa: BLE001 - any unpickling failure: that part is lost
+        return _NOTHING
+
+
+def _find_type(module: Any, qualname: Any) -> type[BaseException] | None:
+    """The exception type ``module.qualname`` when that module is imported here
+    already (nothing is imported on behalf of a rank)."""
+    obj: Any = sys.modules.get(module) if isinstance(module, str) else None
+    for part in qualname.split(".") if isinstance(qualname, str) and obj is not None else ():
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
+
+
+def _from_tree(node: dict[str, Any], base: type[RemoteError], ranks: list[int],
+               actor: str | None, budget: list[int]) -> RemoteError:
+    """Rebuild one described exception (see :mod:`monarch_kernel.wire.exctree`):
+    an instance of ``base`` and, where the type can be had here and instantiated,
+    of the original type; its cause, context and group members rebuilt alike."""
+    budget[0] -= 1
+    message = str(node.get("message", ""))
+
+    def sub(n: Any) -> RemoteError | None:
+        if not isinstance(n, dict) or budget[0] <= 0:
+            return None
+        return _from_tree(n, base, ranks, actor, budget)
+
+    children: list[RemoteError] | None = None
+    if node.get("children") is not None:
+        children = [c for c in map(sub, node["children"]) if c is not None]
+    original = _NOTHING if children is not None else _open(node.get("exc"))
+    exc_type: Any
+    if isinstance(original, BaseException):
+        exc_type = original_type(original)
+        args: tuple = _ctor_args(original)
+        state: Any = getattr(original, "__dict__", {})
+    else:
+        exc_type = _open(node.get("cls"))
+        if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+            exc_type = _find_type(node.get("module"), node.get("qualname"))
+        a = _open(node.get("args"))
+        args = tuple(a) if isinstance(a, tuple) else (message,)
+        s = _open(node.get("state"))
+        state = s if isinstance(s, dict) else {}
+    err: Any = None
+    cls = _remote_subclass(base, exc_type) if exc_type is not None else None
+    if cls is not None:
+        if children is None:
+            err = _instantiate(cls, args)
+        elif children:  # (a group needs members)
+            err = _instantiate(cls, (args[0] if args else message, children))
+    if err is None:  # the type cannot be had or made here: a RemoteError that names it
+        err = base.__new__(base)
+        err.args = (message,)
+        if children is not None:
+            err.exceptions = tuple(children)
+    _copy_state(err, state)
+    err._message = message
+    err.ranks = ranks
+    err.remote_type = str(node.get("type", "")) or getattr(exc_type, "__name__", "?")
+    err.remote_traceback = str(node.get("traceback", ""))
+    err.actor = actor
+    err._nested = True
+    cause = sub(node.get("cause"))
+    if cause is not None:
+        err.__cause__ = cause
+    context = sub(node.get("context"))
+    if context is not None:
+        err.__context__ = context
+    err.__suppress_context__ = bool(node.get("suppress_context")) or cause is not None
     return err
 
 

@@ -77,7 +77,13 @@ from monarch_kernel.actor.peers import address_host, peer_host
 from monarch_kernel.actor.replies import CallOutput
 from monarch_kernel.actor.rref import pickled_count
 from monarch_kernel.controller.controller import Request
-from monarch_kernel.errors import ActorError, MeshError, MeshFailure, ranks_label
+from monarch_kernel.errors import (
+    ActorError,
+    MeshError,
+    MeshFailure,
+    SerializationError,
+    ranks_label,
+)
 from monarch_kernel.mesh.shape import Point, Shape
 from monarch_kernel.wire.messages import (
     ACTOR,
@@ -93,7 +99,7 @@ from monarch_kernel.wire.messages import (
     Call,
     StopActor,
 )
-from monarch_kernel.wire.serialize import Packed, cuda_ipc
+from monarch_kernel.wire.serialize import Packed, cuda_ipc, find_unpicklable
 from monarch_kernel.wire.sources import has_code, sources_for
 from monarch_kernel.worker.worker import current_worker
 
@@ -395,7 +401,17 @@ class ActorMesh(Generic[A]):
                     and self._on_this_host(ranks[0], w))
         if args or kwargs:
             with cuda_ipc(one_here):
-                payload = Packed.pack((args, kwargs))
+                try:
+                    payload = Packed.pack((args, kwargs))
+                except SerializationError as e:
+                    found = (find_unpicklable(args, "args")
+                             or find_unpicklable(kwargs, "kwargs"))
+                    what = (f"{found[0]} -> {found[1]} cannot be pickled ({found[2]})"
+                            if found else str(e.__cause__ or e))
+                    raise SerializationError(
+                        f"cannot send the arguments of {rec.name}.{method}(): {what}; "
+                        "create that on the ranks instead, or leave it out of the call",
+                        brief=True) from None
         content: Call = {ACTOR: rec.name, METHOD: method, UID: rec.uid, PAYLOAD: payload}
         if one_here and w is not None:
             content[IPC] = 1  # a worker calls: its reply may hold IPC handles too

@@ -68,7 +68,7 @@ class Endpoint:
         name = mesh.name
 
         def finish(req: Request) -> ValueMesh:
-            raise_failures(req, name)
+            raise_failures(req, name, self._name, shape)
             return ValueMesh(shape, [req.replies[r][1].unpack() for r in shape.ranks])
 
         return mesh._future(shape.ranks, self._name, args, kwargs, finish)
@@ -94,7 +94,7 @@ class Endpoint:
         name = self._mesh.name
 
         def finish(req: Request) -> Any:
-            raise_failures(req, name)
+            raise_failures(req, name, self._name)
             return req.replies[rank][1].unpack()
 
         return self._mesh._future([rank], self._name, args, kwargs, finish)

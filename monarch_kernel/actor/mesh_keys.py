@@ -38,7 +38,7 @@ import weakref
 from typing import Any
 
 from monarch_kernel.errors import MeshError, MeshFailure
-from monarch_kernel.transport.sockets import is_loopback
+from monarch_kernel.transport.sockets import endpoint_host, is_loopback
 from monarch_kernel.wire.messages import Keys, RankDead
 from monarch_kernel.worker.worker import current_worker
 
@@ -100,8 +100,7 @@ def _secure(ctl: Any) -> bool:
     """Whether keys may travel on ``ctl``'s control channel: encrypted, or loopback."""
     if getattr(ctl, "curve_public_key", None) is not None:
         return True
-    host = ctl.address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return is_loopback(host)
+    return is_loopback(endpoint_host(ctl.address))  # (ipc://: a Unix socket, this host)
 
 
 def _live_ranks(ctl: Any) -> list[int]:

@@ -26,7 +26,13 @@ from monarch_kernel.errors import TransportError
 from monarch_kernel.transport import lane as _lane
 from monarch_kernel.transport import peer_lanes
 from monarch_kernel.transport.engine import Engine, EngineSettings
-from monarch_kernel.transport.sockets import FdPoller, connect_dealer, drain, send_frames
+from monarch_kernel.transport.sockets import (
+    FdPoller,
+    connect_dealer,
+    curve_client_keypair,
+    drain,
+    send_frames,
+)
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -195,8 +201,11 @@ class PeerIO:
                 s = self.dealers.get(addr)
                 if s is None:
                     endpoint, _, key = addr.partition(";")[0].partition("|")
+                    # (the client key of the callee's mesh, which its peer socket admits)
+                    client = (curve_client_keypair(h.codec_of_addr.get(addr, h.codec).key)
+                              if key else None)
                     s = self.dealers[addr] = connect_dealer(h.ctx, endpoint, h.identity,
-                                                            key.encode() or None)
+                                                            key.encode() or None, client)
                     self._addr_of[s] = addr
                     self.engine.add(s, self._on_dealer)
                 send_frames(s, frames[2:], zmq.NOBLOCK)

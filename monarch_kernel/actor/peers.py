@@ -25,13 +25,21 @@ ZeroMQ. A caller that cannot connect (another host) uses ZeroMQ to that
 address from then on.
 ``MONARCH_LANES=0`` turns peer lanes off too.
 
-A peer address reads ``tcp://HOST:PORT[|CURVE_KEY][;LANE_NAME]`` (``;`` is
+The peer ROUTER of a worker of a local mesh (its controller on ``ipc://``)
+is a Unix socket in the controller's private directory: only this user can
+connect. On a TCP mesh it is a CurveZMQ server that admits only the client
+keys of this worker's meshes (ZAP, :class:`~monarch_kernel.transport.sockets.KeyGate`).
+
+A peer address reads ``tcp://HOST:PORT[|CURVE_KEY][;LANE_NAME]`` or
+``ipc://PATH[;LANE_NAME]`` (``;`` is
 in neither an endpoint nor the Z85 alphabet of a key).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import hmac
 import logging
 import os
 import secrets
@@ -50,7 +58,18 @@ from monarch_kernel.controller.controller import Request
 from monarch_kernel.errors import MeshFailure, ProtocolError, SerializationError, TransportError
 from monarch_kernel.transport import lane as _lane
 from monarch_kernel.transport import peer_lanes
-from monarch_kernel.transport.sockets import Outbox, bind_router, inproc_pair, is_loopback
+from monarch_kernel.transport.sockets import (
+    KeyGate,
+    Outbox,
+    bind_router,
+    curve_client_keypair,
+    endpoint_host,
+    inproc_pair,
+    is_ipc,
+    is_loopback,
+    private_dir,
+    remove_private_dir,
+)
 from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.messages import (
@@ -123,6 +142,23 @@ def stats() -> dict[str, int]:
             "lanes_in": len(h.accepted)}
 
 
+def _socket_dir(controller_address: str) -> str:
+    """Where this worker's peer socket goes on a local mesh: the controller's
+    private directory (removed with it) when it is this user's and closed to
+    others (mode 0700), else a private directory of this worker's own
+    (removed at exit)."""
+    where = os.path.dirname(controller_address[len("ipc://"):])
+    try:
+        st = os.stat(where)
+        if st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return where
+    except OSError:
+        pass
+    own = private_dir()
+    atexit.register(remove_private_dir, own)
+    return own
+
+
 def _bind_host(controller_address: str) -> str:
     host = controller_address.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
     if is_loopback(host):
@@ -142,8 +178,9 @@ class PeerHost:
     Attributes
     ----------
     address : str
-        ``tcp://host:port`` of the peer ROUTER; on an encrypted mesh (the
-        worker's controller connection uses CurveZMQ) followed by ``|`` and
+        ``ipc://PATH`` (a local mesh) or ``tcp://host:port`` of the peer
+        ROUTER; on an encrypted mesh (the worker's controller connection
+        uses CurveZMQ) followed by ``|`` and
         the socket's CurveZMQ public key (Z85), which callers connect with;
         then, where peer lanes are on, ``;`` and the name of this worker's
         lane listener.
@@ -164,9 +201,18 @@ class PeerHost:
         self.ctx = worker.ctx
         secret = None
         public = b""
-        if getattr(worker, "curve_server_key", None) is not None:  # an encrypted mesh
-            public, secret = zmq.curve_keypair()
-        self.router, address = bind_router(self.ctx, _bind_host(worker.address), secret)
+        #: the ZAP handler of an encrypted peer socket (admits the keys of this worker's
+        #: meshes only); None on a local mesh or an unencrypted one
+        self.gate: KeyGate | None = None
+        if is_ipc(worker.address):  # a mesh on one host: a Unix socket, no TCP port
+            where = _socket_dir(worker.address)
+            self.router, address = bind_router(
+                self.ctx, ipc_dir=where, name=f"p{worker.rank}-{os.getpid()}")
+        else:
+            if getattr(worker, "curve_server_key", None) is not None:  # an encrypted mesh
+                public, secret = zmq.curve_keypair()
+                self.gate = KeyGate(self.ctx, self._admits)
+            self.router, address = bind_router(self.ctx, _bind_host(worker.address), secret)
         self.listener = peer_lanes.listen() if peer_lanes.enabled() else None
         # callers need the public key to connect: it travels with the address
         self.address = (address + ("|" + public.decode() if public else "")
@@ -198,6 +244,13 @@ class PeerHost:
         self._thread = self.io.thread
         self.io.start()
         _hosts.add(self)
+
+    def _admits(self, client_key: bytes) -> bool:
+        """Whether a CurveZMQ client with public key ``client_key`` (Z85) may connect
+        to the peer socket: it holds the client key of this worker's mesh or of a
+        mesh this worker was introduced to (the ZAP thread)."""
+        keys = [self.worker.codec.key, *list(self.worker.keyring.values())]
+        return any(hmac.compare_digest(curve_client_keypair(k)[0], client_key) for k in keys)
 
     def request(self, ranks: list[int], peers: dict[int, str], content: Call | Buffer,
                 oneway: bool, type: str = "call", mesh: str | None = None) -> Request | None:
@@ -460,16 +513,11 @@ def answer(w: Any, mid: str, c: Call, route: list[bytes] | None, status: str,
 
 
 def failure_of(worker: Any, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
-    """The failure dict an error reply carries for ``e`` (``Worker.describe_failure``,
-    with the exception itself packed when it pickles); ``e``'s traceback loses its
-    frames of the actor host and of asyncio."""
+    """The failure dict an error reply carries for ``e`` (``Worker.describe_failure``:
+    the exception's description, which unpickles anywhere); ``e``'s traceback loses
+    its frames of the actor host and of asyncio."""
     e.__traceback__ = _user_traceback(e.__traceback__)
-    f = worker.describe_failure(e, with_traceback)
-    exc = f.get("exc")
-    try:
-        f["exc"] = Packed.pack(exc) if exc is not None else None
-    except SerializationError:
-        f["exc"] = None
+    f: dict[str, Any] = worker.describe_failure(e, with_traceback)
     return f
 
 
@@ -514,8 +562,9 @@ def reject(w: Any, mid: str, c: Call, route: list[bytes] | None) -> None:
 
 
 def address_host(address: str) -> str:
-    """``tcp://10.0.0.2:5555|KEY;NAME`` -> ``10.0.0.2``."""
-    return address.split(";", 1)[0].split("|", 1)[0].split("//", 1)[-1].rsplit(":", 1)[0]
+    """``tcp://10.0.0.2:5555|KEY;NAME`` -> ``10.0.0.2``; ``127.0.0.1`` for an
+    ``ipc://`` address (a peer on the controller's host)."""
+    return endpoint_host(address)
 
 
 # ------------------------------------------------- the worker's handlers (plug-in)

@@ -91,7 +91,8 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     fut.get(timeout)
     raise_request_failures(req, actor=name)
     failed = [RemoteFailure(r, _unpack_exc(v["failure"]), v["failure"]["type"],
-                            v["failure"]["message"], v["failure"]["traceback"], name)
+                            v["failure"]["message"], v["failure"]["traceback"], name,
+                            v["failure"].get("tree"))
               for r, (_, v) in sorted(req.replies.items()) if "failure" in v]
     if failed:
         built = [r for r, (_, v) in req.replies.items() if "failure" not in v]
@@ -151,7 +152,7 @@ def _on_broadcast_failure(rank: int, event: Any) -> None:
     f = p["failure"]
     err = remote_exception(
         [RemoteFailure(rank, _unpack_exc(f), f["type"], f["message"], f["traceback"],
-                       p["actor"])], ActorError)
+                       p["actor"], f.get("tree"))], ActorError)
     note_broadcast_failure(p.get("uid") or "", err)
     text = (f"broadcast {p['actor']}.{p['method']} failed on rank {rank}: "
             f"{f['type']}: {f['message']}")

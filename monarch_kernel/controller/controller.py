@@ -4,12 +4,16 @@ A :class:`Controller` lives in the kernel process (or in the script that
 drives a mesh). It binds two ZeroMQ ROUTER sockets: ``router`` (worker ->
 controller, read by whichever thread leads the I/O, see
 :mod:`~monarch_kernel.controller.io`) and ``router_down`` (controller ->
-worker, never read; any thread sends on it under ``_down_lock``, so a request
-leaves without a hand-off). Every worker connects a DEALER to each, with one
-routing identity ``r<rank>.<random>``; the controller routes to the identity
-that carried the rank's signed ``hello`` and drops messages from any other
-connection. A worker this controller started on its own host talks through a
-*lane* instead (a Unix socket pair it inherited, :mod:`~monarch_kernel.transport.lane`:
+worker, read only to throw away what arrives; any thread sends on it under
+``_down_lock``, so a request leaves without a hand-off). A mesh on this host
+binds both as Unix sockets in a private directory (only this user can
+connect); TCP endpoints are CurveZMQ servers that admit only the mesh's
+client key (:class:`~monarch_kernel.transport.sockets.KeyGate`). Every
+worker connects a DEALER to each, with one routing identity
+``r<rank>.<random>``; the controller routes to the identity that carried
+the rank's signed ``hello`` and drops messages from any other connection.
+A worker this controller started on its own host talks through a *lane*
+instead (a Unix socket pair it inherited, :mod:`~monarch_kernel.transport.lane`:
 no ZeroMQ I/O thread on either side), routed the same way: its identity is
 the lane's. Requests carry a message id; replies, output and rich display
 carry that id as their parent and are routed to the :class:`Request` that is
@@ -27,6 +31,7 @@ thread that leads, outside the controller's lock; they must not block.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import sys
 import threading
@@ -45,10 +50,17 @@ from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
 from monarch_kernel.transport.sockets import (
+    DOWN_MAX_MESSAGE,
+    KeyGate,
     Outbox,
     bind_router,
+    curve_client_keypair,
+    drain,
     inproc_pair,
     is_loopback,
+    max_message_bytes,
+    private_dir,
+    remove_private_dir,
     send_frames,
 )
 from monarch_kernel.util.droplog import DropLog
@@ -83,8 +95,12 @@ class Controller:
 
     Parameters
     ----------
-    bind : str
-        Address to bind (default loopback, ``127.0.0.1``).
+    bind : str or None
+        None (the default): a mesh on this host; both endpoints are Unix
+        sockets (``ipc://``) in a directory only this user can enter, made
+        for this controller and removed by :meth:`close`: no TCP port is
+        opened. An address (``127.0.0.1``, ``10.0.0.5``, ``0.0.0.0``): TCP
+        there, for workers on other hosts or when TCP is asked for.
     heartbeat : float
         Seconds between heartbeats, both ways.
     on_output : callable(rank, name, text) or None
@@ -93,8 +109,10 @@ class Controller:
     key : bytes or None
         The mesh key; a fresh random one by default.
     encrypt : bool or None
-        Encrypt traffic with CurveZMQ. Default: on when ``bind`` is not a
-        loopback address. Turning it off there prints a warning.
+        Encrypt TCP traffic with CurveZMQ and admit only workers that hold
+        the mesh's client key (derived from ``key``, checked by ZAP at
+        connect). Default: on for every TCP endpoint (ignored for ``ipc://``).
+        Turning it off beyond loopback prints a warning.
 
     Raises
     ------
@@ -103,12 +121,13 @@ class Controller:
         microseconds, a caller looks for its reply before it sleeps; see
         :mod:`monarch_kernel.controller.io`) is not a number from 0 to 10000,
         or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH``
-        (:mod:`monarch_kernel.util.switches`) is not 0 or 1.
+        (:mod:`monarch_kernel.util.switches`) is not 0 or 1, or
+        ``MONARCH_MAX_MESSAGE_BYTES`` is not a number of bytes of at least 1 MiB.
     """
 
     def __init__(
         self,
-        bind: str = "127.0.0.1",
+        bind: str | None = None,
         heartbeat: float = 1.0,
         on_output: Callable[[int, str, str], None] | None = None,
         key: bytes | None = None,
@@ -119,6 +138,7 @@ class Controller:
         self.use_lanes = lanes_enabled()
         peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
         sched_batch_enabled()
+        max_message_bytes()
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
         #: messages refused, counted and reported in few lines (util.droplog)
@@ -131,21 +151,40 @@ class Controller:
         self.heartbeat = heartbeat
         self.on_output = on_output
         self.ctx = zmq.Context()
-        if encrypt is None:
-            encrypt = not is_loopback(bind)
+        #: the private directory of this controller's Unix sockets (a mesh on this
+        #: host), removed by close(); None: TCP
+        self.ipc_dir: str | None = private_dir() if bind is None else None
+        encrypt = bind is not None and (encrypt is None or encrypt)
         self.curve_public_key: bytes | None = None
+        #: the ZAP handler that admits only this mesh's client key (TCP with CurveZMQ)
+        self.gate: KeyGate | None = None
         secret = None
         if encrypt:
             self.curve_public_key, secret = zmq.curve_keypair()
-        elif not is_loopback(bind):
+            client = curve_client_keypair(self.key)[0]
+            self.gate = KeyGate(self.ctx, lambda k: hmac.compare_digest(k, client))
+        elif bind is not None and not is_loopback(bind):
             log.info("the controller binds %s, beyond loopback, with encryption turned "
                         "off: messages are signed but anyone on that network can read them",
                         bind)
-        self.router, self.address = bind_router(self.ctx, bind, secret)
-        # controller -> worker traffic leaves on a second socket that no thread reads:
-        # any thread sends on it under a lock, without a hand-off to the I/O thread
-        self.router_down, self.down_address = bind_router(self.ctx, bind, secret)
-        self.router_down.rcvhwm = 1  # nothing is read here: bound what a peer can queue
+        host = bind or ""
+        try:
+            self.router, self.address = bind_router(self.ctx, host, secret,
+                                                    ipc_dir=self.ipc_dir, name="up")
+            # controller -> worker traffic leaves on a second socket that no thread reads
+            # but to throw away what arrives (check_ranks): any thread sends on it under
+            # a lock, without a hand-off to the I/O thread. Workers send nothing there:
+            # a frame of more than a few bytes closes the connection, one is queued at most
+            self.router_down, self.down_address = bind_router(
+                self.ctx, host, secret, ipc_dir=self.ipc_dir, name="down",
+                max_message=DOWN_MAX_MESSAGE)
+        except BaseException:
+            if self.gate is not None:
+                self.gate.stop()
+            self.ctx.destroy(linger=0)
+            remove_private_dir(self.ipc_dir)
+            raise
+        self.router_down.rcvhwm = 1
         self._down_lock = threading.Lock()
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
@@ -512,6 +551,7 @@ class Controller:
             return
         if self._sweeps_due:
             self._sweep_if_due(now)
+        self._discard_down()
         with self._lock:  # failed requests stay routable for 5 s at most
             for req in [q for q in self.pending.values()
                         if q.failed_at is not None and now - q.failed_at > 5.0]:
@@ -533,6 +573,22 @@ class Controller:
                     and now - info.last_heard > limit):
                 log.warning("rank %d missed 3 heartbeats", r)
                 self.mark_dead(r, None)
+
+    def _discard_down(self) -> None:
+        """Throw away whatever arrived on ``router_down`` (workers send nothing
+        there; its frames are at most DOWN_MAX_MESSAGE bytes): no socket is
+        left unread. Skipped while another thread sends on it."""
+        if not self._down_lock.acquire(blocking=False):
+            return
+        try:
+            if not self._closed.is_set():
+                for n, _ in enumerate(drain(self.router_down)):
+                    if n >= 1000:  # (the rest at the next check)
+                        break
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._down_lock.release()
 
     def _sweep_if_due(self, now: float) -> None:
         """Sweep nobody's pooled files, once a sweep after a rank's death is due
@@ -715,7 +771,10 @@ class Controller:
         with self._down_lock:
             self.router_down.close(0)
         self.outbox.close()
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()
+        remove_private_dir(self.ipc_dir)
         if self.codec.pool is not None:
             self.codec.pool.close()
         for info in self.ranks.values():

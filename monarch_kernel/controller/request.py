@@ -203,6 +203,6 @@ class Request:
             if status == "error":
                 out.append(
                     RemoteFailure(rank, v.get("exc"), v["type"], v["message"], v["traceback"],
-                                  actor)
+                                  actor, v.get("tree"))
                 )
         return out

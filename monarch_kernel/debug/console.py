@@ -112,6 +112,11 @@ class DebugConsole:
     answer_timeout : float
         Seconds a session may stay silent after it was sent a line before
         the console stops waiting for it (see the module docstring).
+    on_quit : callable(ranks: list of int) -> bool, or None
+        Called once (cell mode), with the ranks that quit their debugger,
+        when the console returns to the cell while other ranks of the cell
+        still run (they may wait for the ranks that quit in a collective);
+        returns True when it takes care of such collectives.
     """
 
     def __init__(self, registry: DebugRegistry, mesh: Any, input_fn: Callable[[str], str],
@@ -119,7 +124,8 @@ class DebugConsole:
                  on_event: Callable[[tuple], None] | None = None,
                  flush: Callable[[], None] | None = None,
                  warn: Callable[[str], None] | None = None, patience: float = 2.0,
-                 answer_timeout: float = ANSWER_TIMEOUT) -> None:
+                 answer_timeout: float = ANSWER_TIMEOUT,
+                 on_quit: Callable[[list[int]], bool] | None = None) -> None:
         self.registry = registry
         self.mesh = mesh
         self.input_fn = input_fn
@@ -131,6 +137,7 @@ class DebugConsole:
         self.flush_fn = flush
         self.patience = patience
         self.answer_timeout = answer_timeout
+        self.on_quit_fn = on_quit
         self.interrupted = False
         self.console_mode = False
         #: seconds spent serving paused ranks (a cell's --timeout does not count them)
@@ -556,6 +563,10 @@ class DebugConsole:
             return
         self._hint_started = True
         quit_ranks = sorted(self._quit_ranks)
+        watched = self.on_quit_fn is not None and self.on_quit_fn(quit_ranks)
+        advice = ("a collective that waits for it is aborted; interrupt the kernel to stop "
+                  "them" if watched else "if they wait for it (a collective), interrupt the "
+                  "kernel to stop them")
 
         def check() -> None:
             if req.wait(delay):
@@ -565,8 +576,7 @@ class DebugConsole:
                 req.put_event(("debug", -1, {
                     "kind": "note",
                     "text": f"{plural(waiting)} still running after {plural(quit_ranks)} "
-                            "quit; if they wait for it (a collective), interrupt the kernel "
-                            "to stop them",
+                            f"quit; {advice}",
                 }))
 
         threading.Thread(target=check, name="monarch-debug-hint", daemon=True).start()

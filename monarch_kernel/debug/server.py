@@ -17,6 +17,8 @@ message::
                                          {kind: "running" | "ended", session, text,
                                           reason}
     controller -> worker  "debug_input"  {session, line}   line None: release
+                                         {quit: {request, ranks}}  ranks of request
+                                         quit their debugger (:func:`register_quit_hook`)
 
 The worker's I/O thread hands every ``debug_input`` to :func:`deliver`, which
 puts the line in the paused session's queue (the paused thread is blocked
@@ -70,6 +72,7 @@ __all__ = [
     "install",
     "pm",
     "post_mortem",
+    "register_quit_hook",
     "remember_exception",
     "set_request_parent",
     "set_trace",
@@ -520,9 +523,31 @@ def uninstall() -> None:
 BdbQuit = bdb.BdbQuit
 
 
+# ------------------------------------------------- ranks that quit (hooks from above)
+_quit_hooks: list[Any] = []
+
+
+def register_quit_hook(fn: Any) -> None:
+    """Call ``fn(worker, content)`` on the I/O thread when the controller says that
+    ranks of a request this rank still runs quit their debugger (a ``debug_input``
+    whose ``quit`` is ``{"request": id, "ranks": [...]}``); ``fn`` must not block.
+
+    This is how ``torch.distributed`` set-up (a higher layer) aborts the
+    collectives that wait for those ranks (registering the same function
+    twice registers it once).
+    """
+    if fn not in _quit_hooks:
+        _quit_hooks.append(fn)
+
+
 # ------------------------------------------------- the worker's handlers (plug-in)
 def _on_debug_input(worker: Any, msg: Any) -> None:
-    deliver(msg.content)  # the paused thread waits in pdb: hand it the line
+    content = msg.content
+    if isinstance(content, dict) and isinstance(content.get("quit"), dict):
+        for fn in list(_quit_hooks):
+            fn(worker, content["quit"])  # (an exception is logged by the I/O thread)
+        return
+    deliver(content)  # the paused thread waits in pdb: hand it the line
 
 
 handlers.register_io("debug_input", _on_debug_input)

@@ -188,7 +188,8 @@ COMMANDS: tuple[Command, ...] = (
               arg("--launcher", metavar="local|slurm", default=_default(_SPAWN, "launcher"),
                   help="where the ranks run"),
               arg("--bind", metavar="ADDR", default=_default(_SPAWN, "bind"),
-                  help="address the controller listens on"),
+                  help="listen on TCP at this address (default for local meshes: Unix "
+                       "sockets only your user can reach)"),
               arg("--name", metavar="mesh", default="mesh",
                   help="the notebook variable (and %mesh use name) of the mesh"))),
         ("", (arg("--restart", choices=list(RESTART_POLICIES), default=_default(_SPAWN, "restart"),

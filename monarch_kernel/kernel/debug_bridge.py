@@ -26,10 +26,16 @@ from monarch_kernel.debug.console import DebugConsole, report_quits
 from monarch_kernel.debug.registry import registry_for
 from monarch_kernel.errors import raise_request_failures
 from monarch_kernel.kernel.commands import command
+from monarch_kernel.mesh.dist_setup import (
+    QuitWatch,
+    aborted_message,
+    restore_after_abort,
+    watch_quit,
+)
 from monarch_kernel.mesh.procmesh import ProcMesh, live_meshes
 
 __all__ = ["POST_MORTEM_CODE", "call_debug_event", "cell_console", "debug_command",
-           "stdin_bridge"]
+           "finish_cell", "stdin_bridge"]
 
 #: what a rank runs for ``%mesh debug --post-mortem``
 POST_MORTEM_CODE = "__import__('monarch_kernel.debug.server', fromlist=['x']).post_mortem()"
@@ -55,13 +61,69 @@ def _err(text: str) -> None:
     sys.stderr.flush()
 
 
+_quit_watches: weakref.WeakKeyDictionary[Request, QuitWatch] = weakref.WeakKeyDictionary()
+
+
 def cell_console(magics: Any, m: ProcMesh, req: Request, printer: RankPrinter) -> DebugConsole:
-    """The console that serves the ranks of ``req`` that pause while a cell waits for it."""
+    """The console that serves the ranks of ``req`` that pause while a cell waits for it.
+
+    On a mesh with ``torch.distributed`` set up, a rank that quits its
+    debugger while others of the cell still run starts :func:`watch_quit`:
+    the collectives that wait for it are aborted (see :func:`finish_cell`).
+    """
     input_fn, allow = stdin_bridge(magics.kernel)
+
+    def on_quit(ranks: list[int]) -> bool:
+        if not m.root.dist:
+            return False
+        _quit_watches[req] = watch_quit(m.root, req, ranks)
+        return True
+
     return DebugConsole(
         registry_for(m.controller), m, input_fn, _out, allow_stdin=allow, req=req,
         on_event=lambda ev: magics.show_event(ev, printer), flush=printer.flush_lines, warn=_err,
+        on_quit=on_quit,
     )
+
+
+def finish_cell(m: ProcMesh, req: Request, write: Callable[[str], None]) -> list[int]:
+    """After a cell's request is done: say which ranks quit their debugger
+    (:func:`report_quits`); the ranks that quit.
+
+    If collectives that waited for those ranks were aborted, the aborted
+    ranks' errors become one ``CollectiveAborted`` error saying so, and
+    ``torch.distributed`` is set up again on every rank of the mesh (the
+    aborted process group is unusable), so ``dist`` works in the next cell.
+    """
+    quit_ranks = report_quits(req, write)
+    watch = _quit_watches.pop(req, None)
+    if watch is None or not watch.aborted:
+        return quit_ranks
+    aborted = sorted(r for r in watch.aborted if req.replies.get(r, ("ok",))[0] == "error")
+    restored = restore_after_abort(m.root)
+    text = aborted_message(quit_ranks or watch.quit_ranks, watch.aborted, restored)
+    for r in aborted:
+        value = req.replies[r][1]
+        req.replies[r] = ("error", {
+            **value, "exc": None, "type": "CollectiveAborted", "message": text,
+            "traceback": _user_frames(str(value.get("traceback", ""))) +
+            f"CollectiveAborted: {text}\n"})
+    if not aborted:  # (all of them ended by themselves meanwhile)
+        write(text + "\n")
+    return quit_ranks
+
+
+def _user_frames(tb: str) -> str:
+    """The frames of a rank's formatted traceback down to the first frame of
+    torch.distributed (the user's call of the collective)."""
+    out: list[str] = []
+    for line in tb.splitlines(keepends=True):
+        if "torch/distributed/" in line.replace("\\", "/") and line.lstrip().startswith("File"):
+            break
+        if not line.startswith((" ", "\t", "Traceback")):
+            break  # the exception's own line
+        out.append(line)
+    return "".join(out)
 
 
 _call_consoles: weakref.WeakKeyDictionary[Request, DebugConsole] = weakref.WeakKeyDictionary()

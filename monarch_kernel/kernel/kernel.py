@@ -8,6 +8,7 @@ its kernel.
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
@@ -33,6 +34,30 @@ class MonarchShell(ZMQInteractiveShell):
 
     _transformed: tuple[str, str] | None = None
 
+    def showtraceback(self, exc_tuple: Any = None, filename: str | None = None,
+                      tb_offset: int | None = None, exception_only: bool = False,
+                      running_compiled_code: bool = False) -> None:
+        """IPython's, except that an error from the ranks that is (or was raised
+        while handling) an exception group is shown as the ranks formatted it
+        (its ``_render_traceback_``), as other errors from the ranks are: IPython
+        prints exception groups with Python's own formatting, which would show
+        this package's frames and each member's rank again."""
+        try:
+            _, value, _ = self._get_exc_info(exc_tuple)
+        except ValueError:
+            value = None
+        render = getattr(value, "_render_traceback_", None)
+        if render is not None and not exception_only and _holds_group(value):
+            try:
+                stb = render()
+            except Exception:  # noqa: BLE001 - IPython's own formatting, then
+                stb = None
+            if stb is not None:
+                self._showtraceback(type(value), value, stb)
+                return
+        super().showtraceback(exc_tuple, filename, tb_offset, exception_only,
+                              running_compiled_code)
+
     def transform_cell(self, raw_cell: str) -> str:
         memo, self._transformed = self._transformed, None
         if memo is not None and memo[0] is raw_cell:
@@ -40,6 +65,18 @@ class MonarchShell(ZMQInteractiveShell):
         cell = super().transform_cell(raw_cell)
         self._transformed = (raw_cell, cell)
         return cell
+
+
+def _holds_group(value: Any) -> bool:
+    """``value`` or an exception of its ``__context__`` chain is an exception group."""
+    group = getattr(builtins, "BaseExceptionGroup", None)
+    seen: set[int] = set()
+    while value is not None and group is not None and id(value) not in seen:
+        if isinstance(value, group):
+            return True
+        seen.add(id(value))
+        value = value.__context__
+    return False
 
 
 class MonarchKernel(IPythonKernel):

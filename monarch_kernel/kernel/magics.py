@@ -24,17 +24,17 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.io import spin_seconds
 from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
-from monarch_kernel.debug.console import report_quits
 from monarch_kernel.debug.registry import registry_for
 from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, ranks_label
 from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, command, usage_text
 
 # (debug_bridge also serves the calls of actors paused in pdb)
-from monarch_kernel.kernel.debug_bridge import cell_console, debug_command
+from monarch_kernel.kernel.debug_bridge import cell_console, debug_command, finish_cell
 from monarch_kernel.launchers import get_launcher
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
+from monarch_kernel.transport.sockets import max_message_bytes
 from monarch_kernel.ui.status import StatusTable
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
@@ -202,6 +202,7 @@ class MeshMagics(Magics):
             lanes_enabled()  # (MONARCH_LANES, ...: likewise)
             peer_lead_enabled()
             sched_batch_enabled()
+            max_message_bytes()  # (MONARCH_MAX_MESSAGE_BYTES: every socket's bound)
         except (ValueError, TypeError) as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         old = self.meshes.pop(a.name, None)
@@ -380,7 +381,7 @@ class MeshMagics(Magics):
         bind_refs(m, ranks, cell, self.ip.user_ns)  # handles used by the cell: local values
         req = m.run(cell, ranks)
         self.wait_cell(m, req, a.timeout)
-        report_quits(req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
+        finish_cell(m, req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
             return None

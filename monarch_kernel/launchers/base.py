@@ -28,7 +28,8 @@ class LaunchSpec:
     Attributes
     ----------
     address : str
-        The controller's ``tcp://host:port``.
+        The controller's endpoint: ``ipc://PATH`` for a local mesh (Unix
+        sockets in a directory only this user can enter), else ``tcp://host:port``.
     key : bytes
         The mesh key (passed to workers through the environment, never argv).
     shape : dict of str to int

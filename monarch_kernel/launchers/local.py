@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import threading
+import warnings
 from typing import Any
 
 from monarch_kernel.launchers.base import (
@@ -17,6 +18,7 @@ from monarch_kernel.launchers.base import (
     stop_processes,
     worker_command,
 )
+from monarch_kernel.launchers.guard import Guardian
 from monarch_kernel.transport import lane
 
 __all__ = ["LocalLauncher"]
@@ -27,7 +29,11 @@ class LocalLauncher(Launcher):
 
     Workers get their own session (so a Ctrl-C meant for the controller is
     not delivered to them directly: interrupts are routed) and watch the
-    controller's pid, exiting by themselves if it disappears.
+    controller's pid, exiting by themselves if it disappears. A guardian
+    process (:mod:`.guard`) also watches them: when a worker ends, what is
+    left of its session (processes user code started) ends within
+    :data:`~.guard.DEFAULT_GRACE` seconds; when the controller ends, however
+    it ends, the workers do too, even one whose Python is stuck in C code.
     """
 
     name = "local"
@@ -45,65 +51,88 @@ class LocalLauncher(Launcher):
         self._reported: set[int] = set()
         self._lock = threading.Lock()
         self.host = socket.gethostname()
+        self.guard = Guardian()
 
     def launch(self, spec: LaunchSpec) -> None:
         spec.controller_pid = os.getpid()
         base = dict(os.environ)
         base["MONARCH_MESH_KEY"] = spec.key.hex()
         base.setdefault("OMP_NUM_THREADS", default_threads(spec.world_size))
-        for rank in spec.ranks:
-            env = dict(base)
-            env.update(spec.env.get(rank, {}))
-            # fds 1 and 2 of the worker are pipes. With a controller to hand them to
-            # (on_pipes), only the controller reads them: nothing a rank wrote is lost
-            # in the worker when it dies. Otherwise both sides keep the read ends: the
-            # worker reads them while it lives, we read what is left if it dies.
-            r1, w1 = os.pipe()
-            r2, w2 = os.pipe()
-            log_fd = os.dup(2)
-            env["MONARCH_LOG_FD"] = str(log_fd)
-            if self.on_pipes is not None:
-                env["MONARCH_OUTPUT_PIPES"] = "controller"
-                keep: tuple[int, ...] = (log_fd,)
-            else:
-                env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
-                keep = (r1, r2, log_fd)
-            ours = theirs = None
-            if self.on_lane is not None:  # this rank's messages go through a socket pair
-                ours, theirs = lane.pair()
-                env["MONARCH_LANE_FD"] = str(theirs.fileno())
-                keep = (*keep, theirs.fileno())
-            try:
-                proc = subprocess.Popen(
-                    worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
-                    stdout=w1, stderr=w2, pass_fds=keep, start_new_session=True,
-                )
-            except BaseException:
-                if ours is not None:
-                    ours.close()
-                raise
-            finally:
-                os.close(w1)
-                os.close(w2)
-                os.close(log_fd)
-                if theirs is not None:
-                    theirs.close()
-            os.set_blocking(r1, False)
-            os.set_blocking(r2, False)
-            with self._lock:
-                old = self.procs.get(rank)
-                if old is not None and old.poll() is None:
-                    old.kill()
-                    old.wait(5)
-                self._close_pipes(rank)
-                self.procs[rank] = proc
-                self._reported.discard(rank)
-                if self.on_pipes is None:
-                    self.pipes[rank] = (r1, r2)
-            if self.on_pipes is not None:
-                self.on_pipes(rank, r1, r2)  # the controller owns (and closes) them now
+        started: list[int] = []
+        try:
+            for rank in spec.ranks:
+                started.append(self._launch_one(spec, base, rank))
+        finally:
+            if started:
+                self._guard_workers(started)
+
+    def _guard_workers(self, pids: list[int]) -> None:
+        """Have the guardian watch ``pids`` (all live workers if it had to be
+        started again)."""
+        try:
+            if self.guard.ensure():
+                with self._lock:
+                    pids = [p.pid for p in self.procs.values() if p.poll() is None]
+        except OSError as e:  # (the workers run; only the guarantee is lost)
+            warnings.warn(f"could not start the process that ends workers with the kernel: "
+                          f"{e}", RuntimeWarning, stacklevel=3)
+            return
+        self.guard.watch(pids)
+
+    def _launch_one(self, spec: LaunchSpec, base: dict[str, str], rank: int) -> int:
+        env = dict(base)
+        env.update(spec.env.get(rank, {}))
+        # fds 1 and 2 of the worker are pipes. With a controller to hand them to
+        # (on_pipes), only the controller reads them: nothing a rank wrote is lost
+        # in the worker when it dies. Otherwise both sides keep the read ends: the
+        # worker reads them while it lives, we read what is left if it dies.
+        r1, w1 = os.pipe()
+        r2, w2 = os.pipe()
+        log_fd = os.dup(2)
+        env["MONARCH_LOG_FD"] = str(log_fd)
+        if self.on_pipes is not None:
+            env["MONARCH_OUTPUT_PIPES"] = "controller"
+            keep: tuple[int, ...] = (log_fd,)
+        else:
+            env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
+            keep = (r1, r2, log_fd)
+        ours = theirs = None
+        if self.on_lane is not None:  # this rank's messages go through a socket pair
+            ours, theirs = lane.pair()
+            env["MONARCH_LANE_FD"] = str(theirs.fileno())
+            keep = (*keep, theirs.fileno())
+        try:
+            proc = subprocess.Popen(
+                worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
+                stdout=w1, stderr=w2, pass_fds=keep, start_new_session=True,
+            )
+        except BaseException:
             if ours is not None:
-                self.on_lane(rank, ours)  # (and this one)
+                ours.close()
+            raise
+        finally:
+            os.close(w1)
+            os.close(w2)
+            os.close(log_fd)
+            if theirs is not None:
+                theirs.close()
+        os.set_blocking(r1, False)
+        os.set_blocking(r2, False)
+        with self._lock:
+            old = self.procs.get(rank)
+            if old is not None and old.poll() is None:
+                old.kill()
+                old.wait(5)
+            self._close_pipes(rank)
+            self.procs[rank] = proc
+            self._reported.discard(rank)
+            if self.on_pipes is None:
+                self.pipes[rank] = (r1, r2)
+        if self.on_pipes is not None:
+            self.on_pipes(rank, r1, r2)  # the controller owns (and closes) them now
+        if ours is not None:
+            self.on_lane(rank, ours)  # (and this one)
+        return proc.pid
 
     def leftover_output(self, rank: int) -> list[tuple[str, bytes]]:
         """What a dead rank wrote that its own reader never forwarded."""
@@ -171,3 +200,5 @@ class LocalLauncher(Launcher):
             for r in list(self.pipes):
                 if ranks is None or r in ranks:
                     self._close_pipes(r)
+        if ranks is None:  # the mesh is over: what its ranks started ends now
+            self.guard.close()

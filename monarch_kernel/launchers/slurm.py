@@ -49,6 +49,7 @@ from typing import Any
 
 from monarch_kernel.errors import MeshError, MeshFailure
 from monarch_kernel.launchers.base import Launcher, LaunchSpec, Placement
+from monarch_kernel.launchers.guard import Guardian
 from monarch_kernel.launchers.slurm_cli import (
     ACTIVE_STATES,
     WAITING_STATES,
@@ -177,6 +178,8 @@ class SlurmLauncher(Launcher):
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self._tmpdir: str | None = None
+        #: cancels the jobs if this process ends first (see :mod:`.guard`)
+        self.guard = Guardian()
 
     # --------------------------------------------------------- running tools
     @staticmethod
@@ -210,6 +213,8 @@ class SlurmLauncher(Launcher):
                 unit.step = parts[0].split(".", 1)[-1]
                 if len(parts) > 2 and parts[2]:
                     unit.nodes = parts[2]
+                if not unit.ended:
+                    self._guard_unit(unit)
                 return
 
     # ----------------------------------------------------------------- launch
@@ -234,6 +239,7 @@ class SlurmLauncher(Launcher):
             if key_file:
                 unlink_quiet(key_file)
             raise
+        self._guard_unit(unit)
         with self._lock:
             for r in ranks:
                 old = self._unit_of.get(r)
@@ -247,6 +253,31 @@ class SlurmLauncher(Launcher):
             self._watcher = threading.Thread(target=self._watch, name="monarch-slurm-watch",
                                              daemon=True)
             self._watcher.start()
+
+    def _guard_unit(self, unit: SlurmUnit) -> None:
+        """Have the guardian end ``unit`` if this process ends before it does:
+        SIGTERM to its tasks at once, SIGKILL to its step ``guard.grace`` seconds
+        later (a task stuck in C code can run neither its Python watchdog nor a
+        SIGTERM handler; a signalled step ends at once, a cancelled job only
+        after Slurm's KillWait), then cancel the batch job."""
+        if unit.proc is None:  # a batch job: its one srun is step 0 (until we know better)
+            job = unit.job_id
+            step = f"{job}.{unit.step or 0}"
+            term = [["scancel", "--signal=TERM", job]]
+            kill = [["scancel", "--signal=KILL", step], ["scancel", job]]
+        elif unit.step is not None:  # a step of the user's allocation (which stays)
+            step = f"{unit.job_id}.{unit.step}"
+            term = [["scancel", "--signal=TERM", step]]
+            kill = [["scancel", "--signal=KILL", step]]
+        else:  # a step whose id is not known yet: srun passes SIGTERM on to its tasks
+            term = [["kill", "-TERM", str(unit.proc.pid)]]
+            kill = [["kill", "-KILL", str(unit.proc.pid)]]
+        try:
+            self.guard.ensure()
+        except OSError as e:
+            log.warning("could not start the process that cancels jobs with the kernel: %s", e)
+            return
+        self.guard.on_exit(unit.step_name, term, kill)
 
     def _launch_job(self, spec: LaunchSpec, ranks: list[int], step_name: str,
                     key_file: str | None) -> SlurmUnit:
@@ -362,6 +393,7 @@ class SlurmLauncher(Launcher):
                 return
             unit.ended = True
             unit.exit_code = code
+            self.guard.drop(unit.step_name)
             rc = code if code is not None else (0 if unit.state == "COMPLETED" else 1)
             for r in unit.live:
                 self._exits[r] = rc
@@ -548,6 +580,8 @@ class SlurmLauncher(Launcher):
         with self._lock:
             if all(u.ended for u in self.units):
                 self._closing.set()
+        if self._closing.is_set():
+            self.guard.close()
         if self._closing.is_set() and self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None

@@ -27,6 +27,7 @@ from monarch_kernel.errors import (
     MeshError,
     MeshFailure,
     RankSpecError,
+    SerializationError,
     raise_request_failures,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
@@ -41,6 +42,7 @@ from monarch_kernel.mesh.supervision import (
 from monarch_kernel.tensors.handles import ref_of
 from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
 from monarch_kernel.transport.sockets import is_loopback
+from monarch_kernel.wire.serialize import Packed, cuda_ipc, find_unpicklable
 
 __all__ = ["HostMesh", "ProcMesh", "live_meshes", "spawn_procs", "this_host"]
 
@@ -186,8 +188,32 @@ class ProcMesh:
         return self.collect(self.run(code), timeout=timeout)
 
     def push(self, **values: Any) -> None:
-        """Copy ``values`` into every rank's namespace."""
-        self.collect(self.request("push", values))
+        """Copy ``values`` into every rank's namespace.
+
+        Each value is pickled on its own, so an error names it.
+
+        Raises
+        ------
+        SerializationError
+            If a value cannot be pickled: the message names the variable and the
+            part of it that fails (``f.__closure__[0].cell_contents -> _thread.lock``).
+        RemoteError
+            (also a :class:`SerializationError`) if a value cannot be unpickled on
+            the ranks: the message names the variable and the class that is missing.
+        """
+        self._check()
+        ranks = self.ranks
+        ctl = self.controller
+        packed: dict[str, Any] = {}
+        # (one process on this host: large CUDA tensors may go by IPC handle, as a
+        # request's content would)
+        with cuda_ipc(len(ranks) == 1 and ranks[0] in ctl.local_ranks):
+            for name, value in values.items():
+                try:
+                    packed[name] = Packed.pack(value)
+                except SerializationError as e:
+                    raise SerializationError(unsendable(name, value, e), brief=True) from None
+        self.collect(self.request("push", packed))
 
     def pull(self, name: str) -> ValueMesh:
         """A variable from every rank's namespace, as a :class:`ValueMesh`.
@@ -370,6 +396,17 @@ def _print_event(printer: Any, ev: tuple) -> None:
             printer.feed(ev[1], "stdout", text + "\n")
 
 
+def unsendable(name: str, value: Any, e: BaseException) -> str:
+    """What a user is told when variable ``name`` cannot be sent (``e``: why)."""
+    found = find_unpicklable(value, name)
+    if found is None:  # (it failed with others, or only now and then)
+        return f"cannot send {name!r} to the ranks: {e.__cause__ or e}"
+    path, kind, reason = found
+    return (f"cannot send {name!r} to the ranks: {path} -> {kind} cannot be pickled "
+            f"({reason}); create that on the ranks instead (in a %%mesh cell), or leave "
+            "it out of what you send")
+
+
 def spawn_procs(
     shape: dict[str, int] | int = 1,
     *,
@@ -400,10 +437,12 @@ def spawn_procs(
         ``"local"`` (subprocesses of this host) or ``"slurm"``.
     bind : str, optional
         Address the controller binds: an IPv4 address, an interface name,
-        a host name or ``0.0.0.0``. Default: loopback for the local launcher,
-        else the launcher's ``default_bind()`` (for Slurm: the address that
-        routes to the cluster). Beyond loopback, traffic is encrypted with
-        CurveZMQ (see ``encrypt``).
+        a host name or ``0.0.0.0``: the controller listens on TCP there.
+        Default: for the local launcher, no TCP at all (Unix sockets in a
+        directory only this user can enter); else the launcher's
+        ``default_bind()`` (for Slurm: the address that routes to the
+        cluster). TCP traffic is encrypted with CurveZMQ and only workers
+        holding the mesh's key are admitted (see ``encrypt``).
     heartbeat : float
         Seconds between heartbeats.
     timeout : float
@@ -417,9 +456,10 @@ def spawn_procs(
     max_restarts : int
         Restart budget of the whole mesh with ``restart="on-failure"``.
     encrypt : bool or None
-        Encrypt controller/worker traffic with CurveZMQ. Default: on when the
-        controller binds beyond loopback; turning it off there prints a
-        warning (messages are still signed).
+        Encrypt controller/worker TCP traffic with CurveZMQ and admit only
+        the mesh's workers at connect. Default: on for every TCP endpoint;
+        turning it off beyond loopback prints a warning (messages are still
+        signed).
 
     Returns
     -------
@@ -437,7 +477,9 @@ def spawn_procs(
         If ``MONARCH_SPIN_US`` is set to something other than 0-10000
         microseconds (see :mod:`monarch_kernel.controller.io`), or
         ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH`` to
-        something other than 0 or 1 (see :mod:`monarch_kernel.util.switches`).
+        something other than 0 or 1 (see :mod:`monarch_kernel.util.switches`),
+        or ``MONARCH_MAX_MESSAGE_BYTES`` to something other than a number of
+        bytes of at least 1 MiB (:mod:`monarch_kernel.transport.sockets`).
     """
     if isinstance(shape, int):
         shape = {"hosts": 1, "procs": shape}
@@ -487,16 +529,18 @@ def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output:
                     encrypt: bool | None = None) -> Controller:
     """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
     try:
-        addr = resolve_bind(bind) if bind else la.default_bind()
+        addr = resolve_bind(bind) if bind else None if la.local else la.default_bind()
     except ValueError as e:
         raise MeshError(str(e)) from None
-    if encrypt is None:
-        encrypt = not is_loopback(addr)
+    # (no address: a local mesh, on Unix sockets only this user can connect; any TCP
+    # endpoint is encrypted and admits only the mesh's workers, unless encrypt=False)
     ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
+    if addr is None:
+        return ctl
     if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
         ctl.address = ctl.address.replace("0.0.0.0", la.default_bind(), 1)
         ctl.down_address = ctl.down_address.replace("0.0.0.0", la.default_bind(), 1)
-    if not is_loopback(addr) and not encrypt:
+    if not is_loopback(addr) and encrypt is False:
         print(f"warning: the mesh controller listens on {ctl.address} (not loopback) with "
               "encryption turned off: mesh traffic is signed (HMAC) but NOT encrypted, so "
               "anyone on that network can read it; use only trusted networks",

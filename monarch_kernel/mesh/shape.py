@@ -19,7 +19,7 @@ from typing import Any
 
 from monarch_kernel.errors import MeshError, RankSpecError
 
-__all__ = ["Point", "Shape", "ValueMesh", "parse_ranks"]
+__all__ = ["MISSING", "Point", "Shape", "ValueMesh", "parse_ranks"]
 
 
 class Shape:
@@ -146,6 +146,32 @@ class Point(Mapping[str, int]):
         return (Point, (self._coords, self.rank))
 
 
+class _Missing:
+    """The type of :data:`MISSING` (one instance; false; pickles as itself)."""
+
+    _instance: _Missing | None = None
+
+    def __new__(cls) -> _Missing:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __reduce__(self) -> str:
+        return "MISSING"
+
+
+#: The value, in a :class:`ValueMesh`, of a point that has none: a rank that
+#: died or did not answer (``err.partial`` of a call that failed). Test with
+#: ``v is MISSING``; :attr:`ValueMesh.missing` lists those ranks.
+MISSING = _Missing()
+
+
 class ValueMesh:
     """One value per point of a shape (what a mesh-wide call returns).
 
@@ -153,7 +179,8 @@ class ValueMesh:
     ----------
     shape : Shape
     values : list
-        Values in the shape's row-major order.
+        Values in the shape's row-major order; :data:`MISSING` where a point has
+        no value (the ranks that did not answer a call that failed).
     """
 
     def __init__(self, shape: Shape, values: list[Any]) -> None:
@@ -172,6 +199,11 @@ class ValueMesh:
     def values(self) -> list[Any]:
         """The values, row-major (rank order for a whole mesh)."""
         return list(self._values)
+
+    @property
+    def missing(self) -> list[int]:
+        """The ranks whose value is :data:`MISSING` (none for a call that succeeded)."""
+        return [r for r, v in zip(self.shape.ranks, self._values, strict=True) if v is MISSING]
 
     def items(self) -> Iterator[tuple[Point, Any]]:
         """``(Point, value)`` pairs, row-major."""

@@ -46,6 +46,7 @@ import weakref
 from typing import Any
 
 from monarch_kernel.errors import ProtocolError, TransportError
+from monarch_kernel.transport.sockets import max_message_bytes
 from monarch_kernel.util.sigint import DeferredSigint
 
 __all__ = ["Lane", "pair", "prepare", "set_buffers"]
@@ -117,7 +118,10 @@ class Lane:
         :class:`~monarch_kernel.errors.ProtocolError` before any room is made
         for it, and room for a message is made as its bytes come, not all at
         once (for a lane that any process of this user can connect,
-        :mod:`monarch_kernel.actor.peers`). None: no limit.
+        :mod:`monarch_kernel.actor.peers`). None: the bound of every socket
+        (:func:`~monarch_kernel.transport.sockets.max_message_bytes`, about
+        1.1 GiB unless ``MONARCH_MAX_MESSAGE_BYTES`` says otherwise), with room
+        made for a message at once.
     """
 
     def __init__(self, sock: socket.socket, name: str = "lane", identity: bytes = b"",
@@ -127,6 +131,9 @@ class Lane:
         self.name = name
         self.identity = identity
         self.limit = limit
+        #: the largest message read (bytes, framing included): a larger length is refused
+        #: before any room is made for it
+        self.bound = limit if limit is not None else max_message_bytes()
         self.eof = False
         self._fd = sock.fileno()  # (kept: a closed socket's fileno() is -1)
         self._pid = os.getpid()
@@ -331,14 +338,14 @@ class Lane:
         while end - pos >= 4:
             (n,) = _COUNT.unpack_from(buf, pos)
             at = pos + 4 + 8 * n
-            if self.limit is not None and (n > MAX_FRAMES or at - pos > self.limit):
+            if at - pos > self.bound or (self.limit is not None and n > MAX_FRAMES):
                 self._too_big(4 + 8 * n, n)
             if at > end:
                 self._need = at - pos
                 break
             lens = _lengths_struct("<", n).unpack_from(buf, pos + 4)
             stop = at + sum(lens)  # (where this message ends)
-            if self.limit is not None and stop - pos > self.limit:
+            if stop - pos > self.bound:
                 self._too_big(stop - pos)
             if stop > end:
                 self._need = stop - pos
@@ -357,7 +364,7 @@ class Lane:
             raise ProtocolError(f"{self.name}: a message of {frames} frames, over the limit "
                                 f"of {MAX_FRAMES}")
         raise ProtocolError(f"{self.name}: a message of {nbytes} bytes, over the limit of "
-                            f"{self.limit} bytes")
+                            f"{self.bound} bytes (MONARCH_MAX_MESSAGE_BYTES)")
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for queued data to leave; True if none is left."""

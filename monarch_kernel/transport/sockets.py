@@ -14,28 +14,68 @@ ZeroMQ sockets are not thread-safe; two patterns keep them safe here:
   I/O thread through an :class:`Outbox` (an ``inproc://`` PUSH socket
   guarded by a lock).
 
-Sockets are closed with ``linger=0`` (as in pyzmq's own tests). Bound to
-loopback, traffic is signed (see :mod:`protocol`) but not encrypted; bound to
-any other address, the controller's ROUTER is a CurveZMQ server and workers
-connect with its public key, so traffic is encrypted too.
+Sockets are closed with ``linger=0`` (as in pyzmq's own tests).
+
+Who can connect (see the guide's security page):
+
+* a mesh on one host binds ``ipc://`` endpoints (Unix sockets) inside a
+  private directory (:func:`private_dir`, mode 0700): only processes of the
+  same user (and root) can connect; no TCP port is open;
+* every TCP endpoint (a mesh whose workers run on other hosts, or TCP asked
+  for with ``--bind``) is a CurveZMQ server, and its ZAP handler
+  (:class:`KeyGate`) admits only clients that present the mesh's client key
+  (:func:`curve_client_keypair`, derived from the mesh key, which workers
+  already hold): an unknown peer costs a refused handshake, before any of its
+  messages is read.
+
+Every socket that reads from a peer has a maximum message size
+(``ZMQ_MAXMSGSIZE``, :func:`max_message_bytes`): a larger frame closes the
+connection before it is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import ipaddress
 import itertools
+import logging
 import os
 import select
+import shutil
+import stat
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import zmq
+from zmq.utils import z85
 
 from monarch_kernel.errors import TransportError
 
-__all__ = ["FdPoller", "Outbox", "bind_router", "connect_dealer", "drain", "has_input",
-           "inproc_pair", "is_loopback", "send_frames"]
+__all__ = ["DOWN_MAX_MESSAGE", "MAX_MESSAGE_ENV", "FdPoller", "KeyGate", "Outbox",
+           "bind_router", "connect_dealer", "curve_client_keypair", "drain", "endpoint_host",
+           "has_input", "inproc_pair", "is_ipc", "is_loopback", "max_message_bytes",
+           "private_dir", "remove_private_dir", "send_frames"]
+
+log = logging.getLogger("monarch_kernel.transport.sockets")
+
+#: the environment variable that sets the largest frame (bytes) a socket or lane takes
+MAX_MESSAGE_ENV = "MONARCH_MAX_MESSAGE_BYTES"
+#: its default: the codec's limits (64 MiB of header and payload, 1 GiB of buffers,
+#: :mod:`monarch_kernel.wire.protocol`) and 1 MiB of framing; a larger message would be
+#: dropped by the codec anyway, after it was received whole
+DEFAULT_MAX_MESSAGE = (64 << 20) + (1 << 30) + (1 << 20)
+#: the largest frame the controller's "down" ROUTER takes (workers send nothing there;
+#: the ZMTP handshake's commands, a few hundred bytes, count too)
+DOWN_MAX_MESSAGE = 4096
+#: the longest path of a Unix socket (sun_path is 108 bytes, with its terminating NUL)
+_SUN_PATH_MAX = 107
+#: the longest private directory made under $XDG_RUNTIME_DIR or the temp dir (leaves room
+#: for socket names of up to 24 bytes)
+_DIR_MAX = _SUN_PATH_MAX - 25
 
 _counter = itertools.count()
 
@@ -79,18 +119,193 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_ipc(address: str) -> bool:
+    """Whether ``address`` (a ZeroMQ endpoint, maybe followed by ``|KEY`` or
+    ``;NAME``) is an ``ipc://`` endpoint: a Unix socket on this host."""
+    return address.startswith("ipc://")
+
+
+def endpoint_host(address: str) -> str:
+    """The host part of a ZeroMQ endpoint (``tcp://10.0.0.2:5555|KEY;NAME`` ->
+    ``10.0.0.2``); ``127.0.0.1`` for an ``ipc://`` endpoint (a socket of this host)."""
+    if is_ipc(address):
+        return "127.0.0.1"
+    return (address.split(";", 1)[0].split("|", 1)[0].split("//", 1)[-1]
+            .rsplit(":", 1)[0].strip("[]"))
+
+
+def max_message_bytes() -> int:
+    """The largest frame (bytes) a socket or lane reads from a peer: the
+    environment variable ``MONARCH_MAX_MESSAGE_BYTES``, else
+    :data:`DEFAULT_MAX_MESSAGE` (about 1.1 GiB).
+
+    Raises
+    ------
+    ValueError
+        If the variable is set to something other than a whole number of bytes
+        of at least 1 MiB.
+    """
+    raw = os.environ.get(MAX_MESSAGE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_MESSAGE
+    try:
+        n = int(raw.replace("_", ""))
+    except ValueError:
+        n = -1
+    if n < (1 << 20):
+        raise ValueError(f"{MAX_MESSAGE_ENV}={raw!r}: give the largest message in bytes, "
+                         f"a whole number of at least 1048576 (1 MiB); unset, it is "
+                         f"{DEFAULT_MAX_MESSAGE}")
+    return n
+
+
+def _usable_base(path: str | None) -> bool:
+    if not path or len(path) > _DIR_MAX - 20:  # ("/mk-PID-" and 8 characters)
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and os.access(path, os.W_OK | os.X_OK)
+
+
+def private_dir() -> str:
+    """Make a directory only this user can enter (mode 0700) for Unix sockets.
+
+    It is made under ``$XDG_RUNTIME_DIR`` when that is set, usable and short
+    enough, else under the temp directory (``$TMPDIR``), else under ``/tmp``;
+    its path leaves room for a socket name of 24 bytes within the 107 bytes a
+    Unix socket's path may have. The caller removes it
+    (:func:`remove_private_dir`); those of this user's processes that were
+    killed first (the process id is in the name) are removed here.
+
+    Raises
+    ------
+    TransportError
+        If no such directory can be made.
+    """
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"):
+        if not _usable_base(base):
+            continue
+        assert base is not None
+        _sweep(base)
+        try:  # (named with this process's id: a later sweep removes it if it was killed)
+            path = tempfile.mkdtemp(prefix=f"mk-{os.getpid()}-", dir=base)  # (mode 0700)
+        except OSError:
+            continue
+        os.chmod(path, 0o700)  # (mkdtemp's mode already; said again against odd umasks)
+        return path
+    raise TransportError("cannot make a private directory for the mesh's sockets under "
+                         "$XDG_RUNTIME_DIR, $TMPDIR or /tmp; make one of them writable")
+
+
+def _sweep(base: str) -> None:
+    """Remove this user's private directories in ``base`` whose process is gone
+    (killed before it could remove them); best effort."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("mk-")]
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        pid = name[3:].partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: someone else's process)
+        return True
+    return True
+
+
+def remove_private_dir(path: str | None) -> None:
+    """Remove a directory made by :func:`private_dir` and the sockets in it
+    (None, or one gone already: nothing)."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _bounded(sock: zmq.Socket, max_message: int | None) -> None:
+    """Set ``ZMQ_MAXMSGSIZE``: a peer that sends a larger frame is disconnected."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message if max_message is not None
+                    else max_message_bytes())
+
+
+def curve_client_keypair(mesh_key: bytes) -> tuple[bytes, bytes]:
+    """The CurveZMQ client key pair (public, secret; Z85) of the mesh whose key is
+    ``mesh_key``: derived from it, so that whoever holds the mesh key (its
+    workers, which get it through their environment) holds it, and no other
+    secret has to travel."""
+    raw = hmac.new(mesh_key, b"monarch-curve-client-v1", hashlib.sha256).digest()
+    secret = z85.encode(raw)
+    return zmq.curve_public(secret), secret
+
+
+class KeyGate:
+    """A ZAP handler for one ZeroMQ context: its CurveZMQ servers admit only
+    clients whose public key ``allowed(key)`` accepts (``key``: Z85 bytes);
+    any other client's handshake is refused before it can send a message.
+
+    Start it before binding the servers it guards; :meth:`stop` it before the
+    context is terminated. Refused handshakes are counted (:attr:`refused`).
+    """
+
+    def __init__(self, ctx: zmq.Context, allowed: Callable[[bytes], bool]) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.refused = 0
+        self._allowed = allowed
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger(
+            "monarch_kernel.transport.sockets.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """(Called by the ZAP thread for each CurveZMQ handshake.)"""
+        try:
+            ok = bool(self._allowed(key))
+        except Exception:
+            log.exception("the CurveZMQ key check failed; the client is refused")
+            ok = False
+        if not ok:
+            self.refused += 1
+        return ok
+
+    def stop(self) -> None:
+        """Stop the ZAP thread (idempotent)."""
+        with contextlib.suppress(Exception):
+            self._auth.stop()
+
+
 def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
-                curve_secret_key: bytes | None = None) -> tuple[zmq.Socket, str]:
-    """Bind a ROUTER socket to a random port on ``host``.
+                curve_secret_key: bytes | None = None, *, ipc_dir: str | None = None,
+                name: str = "r", max_message: int | None = None) -> tuple[zmq.Socket, str]:
+    """Bind a ROUTER socket: to a Unix socket ``name`` in ``ipc_dir`` (a
+    :func:`private_dir`), or to a random TCP port on ``host``.
 
     With ``curve_secret_key`` (Z85, from :func:`zmq.curve_keypair`) the socket
-    is a CurveZMQ server: every connection is encrypted (RFC 26 / CurveZMQ).
+    is a CurveZMQ server: every connection is encrypted (RFC 26 / CurveZMQ),
+    and admitted by the context's ZAP handler where one runs (:class:`KeyGate`).
+    A peer that sends a frame larger than ``max_message`` bytes (default
+    :func:`max_message_bytes`) is disconnected.
 
     Returns
     -------
     socket : zmq.Socket
     address : str
-        ``tcp://host:port`` for workers to connect to.
+        ``ipc://DIR/NAME`` or ``tcp://host:port`` for workers to connect to.
 
     Raises
     ------
@@ -99,6 +314,7 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
     """
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
+    _bounded(sock, max_message)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     # no high-water mark: a burst of pipelined calls must neither be dropped nor block
     # the I/O thread (which would stop it draining replies: a deadlock)
@@ -107,6 +323,19 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
     if curve_secret_key is not None:
         sock.curve_secretkey = curve_secret_key
         sock.curve_server = True
+    if ipc_dir is not None:
+        address = f"ipc://{ipc_dir}/{name}"
+        if len(address) - len("ipc://") > _SUN_PATH_MAX:
+            sock.close(0)
+            raise TransportError(f"the socket path {address[6:]!r} is longer than a Unix "
+                                 f"socket allows ({_SUN_PATH_MAX} bytes); set "
+                                 "XDG_RUNTIME_DIR or TMPDIR to a shorter directory")
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise TransportError(f"cannot bind a socket at {address!r}: {e}") from e
+        return sock, address
     try:
         port = sock.bind_to_random_port(f"tcp://{host}")
     except zmq.ZMQError as e:
@@ -119,11 +348,17 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
 
 
 def connect_dealer(ctx: zmq.Context, address: str, identity: bytes,
-                   curve_server_key: bytes | None = None) -> zmq.Socket:
+                   curve_server_key: bytes | None = None,
+                   client_keypair: tuple[bytes, bytes] | None = None,
+                   max_message: int | None = None) -> zmq.Socket:
     """Connect a DEALER with a fixed routing identity to ``address``.
 
     With ``curve_server_key`` (the server's Z85 public key) the connection is
-    encrypted with CurveZMQ, using a fresh client key pair.
+    encrypted with CurveZMQ, with ``client_keypair`` (public, secret; Z85: the
+    mesh's, :func:`curve_client_keypair`, which the server admits), else a
+    fresh one (which a server guarded by a :class:`KeyGate` refuses). A frame
+    larger than ``max_message`` bytes (default :func:`max_message_bytes`)
+    from the server closes the connection.
 
     Raises
     ------
@@ -134,8 +369,9 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: bytes,
     sock.linger = 0
     sock.sndhwm = sock.rcvhwm = 0  # see bind_router
     sock.setsockopt(zmq.IDENTITY, identity)
+    _bounded(sock, max_message)
     if curve_server_key is not None:
-        public, secret = zmq.curve_keypair()
+        public, secret = client_keypair or zmq.curve_keypair()
         sock.curve_serverkey = curve_server_key
         sock.curve_publickey = public
         sock.curve_secretkey = secret

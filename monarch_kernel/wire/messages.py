@@ -177,7 +177,10 @@ class Failure(TypedDict):
     type: str  # qualified name of the exception type
     message: str
     traceback: str
-    exc: Any  # Packed exception, or None when it does not pickle
+    exc: Any  # Packed exception, or None (see tree)
+    #: the exception's description (monarch_kernel.wire.exctree.ExcNode): rebuilt on
+    #: arrival with its cause, context and group members (errors.remote_exception)
+    tree: NotRequired[Any]
     rejected: NotRequired[bool]  # the call never ran (no such actor)
     code: NotRequired[str]  # "noipc": a buffer owner refused CUDA IPC
 
@@ -338,10 +341,13 @@ class RankDead(TypedDict):
 
 
 class DebugInput(TypedDict):
-    """``debug_input``: a pdb command line (``line`` None: release the session)."""
+    """``debug_input``: a pdb command line (``line`` None: release the session); with
+    ``quit`` ``{"request": id, "ranks": [...]}`` (and ``session`` ""), no line: those
+    ranks of the request quit their debugger (a collective waiting for them is aborted)."""
 
     session: str
     line: str | None
+    quit: NotRequired[dict[str, Any]]
 
 
 class Ref(TypedDict):

@@ -33,6 +33,8 @@ import io
 import logging
 import os
 import pickle
+import pickletools
+import re
 import sys
 import threading
 import types
@@ -45,7 +47,7 @@ from monarch_kernel.errors import SerializationError
 from monarch_kernel.util import gpu
 from monarch_kernel.wire import torch_ipc
 
-__all__ = ["PROTOCOL", "Packed", "dumps", "loads"]
+__all__ = ["PROTOCOL", "Packed", "dumps", "find_unpicklable", "load_failure", "loads"]
 
 log = logging.getLogger("monarch_kernel.wire.serialize")
 
@@ -371,3 +373,173 @@ def loads(payload: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
         raise SerializationError(
             f"cannot unpickle a received value: {type(e).__name__}: {e}"
         ) from e
+
+
+# ------------------------------------------------------ what cannot be sent, in words
+#: how deep :func:`find_unpicklable` walks into a value, and how many parts it tries
+FIND_DEPTH = 12
+FIND_TRIES = 400
+
+
+def _qual(t: type) -> str:
+    mod = getattr(t, "__module__", "") or ""
+    return t.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{t.__qualname__}"
+
+
+def _code_names(co: types.CodeType) -> set[str]:
+    """The global names ``co`` (and the code nested in it) may read."""
+    names = set(co.co_names)
+    for c in co.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _parts(obj: Any) -> Iterator[tuple[str, Any]]:
+    """``(path suffix, part)`` of what pickling ``obj`` pickles too."""
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            yield f"[{k!r}]", v
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield f"[{i}]", v
+    elif isinstance(obj, (set, frozenset)):
+        for v in list(obj):
+            yield f" item {v!r}" if type(v) in _ATOMS else " item", v
+    elif isinstance(obj, types.FunctionType):
+        for i, cell in enumerate(obj.__closure__ or ()):
+            try:
+                yield f".__closure__[{i}].cell_contents", cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+        g = obj.__globals__
+        for n in sorted(_code_names(obj.__code__)):
+            if n in g:
+                yield f".__globals__[{n!r}]", g[n]
+        for i, v in enumerate(obj.__defaults__ or ()):
+            yield f".__defaults__[{i}]", v
+        for k, v in (obj.__kwdefaults__ or {}).items():
+            yield f".__kwdefaults__[{k!r}]", v
+        for k, v in vars(obj).items():
+            yield f".{k}", v
+    elif isinstance(obj, types.MethodType):
+        yield ".__self__", obj.__self__
+        yield ".__func__", obj.__func__
+    elif isinstance(obj, type):
+        for k, v in list(vars(obj).items()):
+            if not (k.startswith("__") and k.endswith("__")):
+                yield f".{k}", v
+    else:
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict):
+            for k, v in list(d.items()):
+                yield f".{k}", v
+        for k in getattr(type(obj), "__slots__", ()) or ():
+            if isinstance(k, str) and hasattr(obj, k):
+                yield f".{k}", getattr(obj, k)
+
+
+def _pickle_error(obj: Any) -> BaseException | None:
+    try:
+        dumps(obj)
+    except SerializationError as e:
+        return e.__cause__ or e
+    except Exception as e:  # noqa: BLE001 - whatever the pickler raised
+        return e
+    return None
+
+
+def find_unpicklable(obj: Any, name: str) -> tuple[str, str, str] | None:
+    """Which part of ``obj`` cannot be pickled, and why.
+
+    Walks what pickling ``obj`` pickles (dict items, list and tuple items,
+    attributes, a function's closure cells, the globals it reads and its
+    defaults, a method's object), at most :data:`FIND_DEPTH` deep and
+    :data:`FIND_TRIES` parts in all, down to the innermost part that fails.
+
+    Returns
+    -------
+    (path, type, reason) or None
+        ``("f.__closure__[0].cell_contents", "_thread.lock", "cannot pickle
+        '_thread.lock' object")``, the path starting at ``name``; None when
+        ``obj`` pickles.
+    """
+    err = _pickle_error(obj)
+    if err is None:
+        return None
+    path, seen, tries = name, {id(obj)}, [FIND_TRIES]
+    for _ in range(FIND_DEPTH):
+        for suffix, part in _parts(obj):
+            if tries[0] <= 0 or id(part) in seen:
+                continue
+            tries[0] -= 1
+            sub = _pickle_error(part)
+            if sub is not None:
+                seen.add(id(part))
+                obj, err, path = part, sub, path + suffix
+                break
+        else:
+            break
+    reason = str(err) or type(err).__name__
+    return path, _qual(type(obj)), reason
+
+
+_STRINGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
+_GETS = frozenset({"BINGET", "LONG_BINGET", "GET"})
+
+
+def _globals_in(payload: Any) -> list[tuple[str, str]]:
+    """The ``(module, name)`` globals a pickle stream refers to (best effort)."""
+    out: list[tuple[str, str]] = []
+    memo: dict[Any, Any] = {}
+    recent: list[Any] = []
+    try:
+        for op, arg, _ in pickletools.genops(bytes(payload)):
+            n = op.name
+            if n in _STRINGS:
+                recent.append(arg)
+            elif n in _GETS:
+                recent.append(memo.get(arg))
+            elif n == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif n in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = recent[-1] if recent else None
+            elif n == "STACK_GLOBAL":
+                if len(recent) >= 2 and all(isinstance(x, str) for x in recent[-2:]):
+                    out.append((recent[-2], recent[-1]))
+                recent = []
+            elif n == "GLOBAL" and isinstance(arg, str) and " " in arg:
+                mod, _, qual = arg.partition(" ")
+                out.append((mod, qual))
+                recent = []
+            else:
+                recent = []
+    except Exception:  # noqa: BLE001, S110 - a partial list is still useful
+        pass
+    return out
+
+
+_NO_ATTRIBUTE = re.compile(r"Can't get attribute '([^']+)' on <module '([^']+)'")
+
+
+def load_failure(e: BaseException, payload: Any = b"", where: str = "here") -> str:
+    """Why a value does not unpickle ``where`` (``"on the ranks"``), in words: the
+    class it needs that is missing (``payload``, its pickle stream, tells which class
+    of a missing module), else the error's own text."""
+    cause = e.__cause__ if isinstance(e, SerializationError) and e.__cause__ else e
+    if isinstance(cause, ModuleNotFoundError) and cause.name:
+        mod = cause.name
+        used = [f"{m}.{q}" for m, q in _globals_in(payload)
+                if m == mod or m.startswith(mod + ".")]
+        what = f"class {used[0]}" if used else "it"
+        return (f"{what} comes from module {mod!r}, which cannot be imported {where} (a "
+                f"file next to the notebook? put its directory on sys.path {where}, or "
+                "define the class in a %%mesh cell)")
+    if isinstance(cause, AttributeError):
+        m = _NO_ATTRIBUTE.search(str(cause))
+        if m:
+            cls, mod = m.group(1), m.group(2)
+            inside = "" if mod == "__main__" else f" (module {mod!r})"
+            return (f"class {cls} is not defined {where}{inside} (defined in a notebook "
+                    "cell? run it with %%mesh first)")
+    return f"{type(cause).__name__}: {cause}"

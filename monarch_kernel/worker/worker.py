@@ -76,13 +76,14 @@ from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import (
     Outbox,
     connect_dealer,
+    curve_client_keypair,
     inproc_pair,
     send_frames,
 )
 from monarch_kernel.util.droplog import INTERVAL_S
-from monarch_kernel.wire import protocol, serialize
+from monarch_kernel.wire import exctree, protocol, serialize
 from monarch_kernel.wire import shm as _shm
-from monarch_kernel.wire.serialize import cuda_ipc, reply_content
+from monarch_kernel.wire.serialize import Packed, cuda_ipc, reply_content
 from monarch_kernel.worker import display, handlers, telemetry
 from monarch_kernel.worker.capture import FdCapture
 from monarch_kernel.worker.io import WorkerIO, exit_process
@@ -127,7 +128,8 @@ class Worker:
     Parameters
     ----------
     address : str
-        The controller's ``tcp://host:port``.
+        The controller's endpoint: ``ipc://PATH`` on this host, else
+        ``tcp://host:port``.
     key : bytes
         The mesh's HMAC key.
     rank, world_size : int
@@ -140,7 +142,9 @@ class Worker:
     heartbeat_timeout : float
         Exit after this many seconds without hearing from the controller.
     curve_server_key : bytes or None
-        The controller's CurveZMQ public key; the connection is encrypted.
+        The controller's CurveZMQ public key; the connection is encrypted,
+        with the mesh's client key pair (derived from ``key``, which the
+        controller admits).
     down_address : str or None
         The controller's second endpoint (controller -> worker traffic); with
         it, sending and receiving use separate connections.
@@ -197,13 +201,16 @@ class Worker:
             self.lane = Lane(sock, f"lane-r{rank}")
             self.dealer = None
         elif down_address:
+            client = curve_client_keypair(key) if curve_server_key is not None else None
             # two connections: `dealer` (controller -> worker) is read by the I/O thread
             # only; `up` (worker -> controller) is written by any thread under a lock,
             # so a reply leaves without a hand-off to the I/O thread
-            self.dealer = connect_dealer(self.ctx, down_address, ident, curve_server_key)
-            self.up = connect_dealer(self.ctx, address, ident, curve_server_key)
+            self.dealer = connect_dealer(self.ctx, down_address, ident, curve_server_key, client)
+            self.up = connect_dealer(self.ctx, address, ident, curve_server_key, client)
         else:  # one connection, written by the I/O thread only (through the outbox)
-            self.dealer = connect_dealer(self.ctx, address, ident, curve_server_key)
+            self.dealer = connect_dealer(self.ctx, address, ident, curve_server_key,
+                                         curve_client_keypair(key) if curve_server_key
+                                         else None)
         self._up_lock = threading.Lock()
         self.pull, inproc = inproc_pair(self.ctx)
         self.outbox = Outbox(self.ctx, inproc)
@@ -457,7 +464,7 @@ class Worker:
                     f"({e.__cause__ or e}); {'pull' if names else 'return'} something picklable"
                 )
             else:
-                failure = dict(value, exc=None)
+                failure = dict(value, exc=None, tree=None)
             self.send("reply", {"status": "error", "value": failure}, parent)
 
     def reply_many(self, items: list[tuple[str, Any]]) -> None:
@@ -468,7 +475,11 @@ class Worker:
         self.send("replies", items)
 
     def describe_failure(self, e: BaseException, with_traceback: bool = True) -> dict[str, Any]:
-        """A picklable description of exception ``e`` (see errors.RemoteFailure)."""
+        """A description of exception ``e`` that unpickles anywhere (a
+        :class:`~monarch_kernel.wire.messages.Failure`; see errors.RemoteFailure):
+        its type, message and traceback text, and in ``tree`` the description
+        (:mod:`monarch_kernel.wire.exctree`) the controller rebuilds it from, with
+        its cause, context and group members."""
         tb = e.__traceback__
         # drop this module's own frames from the top of the traceback
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
@@ -477,34 +488,20 @@ class Worker:
             tb = cut_debugger_frames(tb)
             if not e.args:
                 e.args = ("interrupted",)
-        text = ""
-        if with_traceback:
-            # this module's frames (e.g. the SIGINT handler that raised) are not the user's
-            frames = [f for f in traceback.extract_tb(tb) if f.filename != __file__]
-            if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
-                frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
-            only = (e.format_exception_only() if isinstance(e, RemoteError)
-                    else traceback.format_exception_only(type(e), e))
-            text = "".join(["Traceback (most recent call last):\n",
-                            *traceback.format_list(frames), *only]) if frames else "".join(only)
-        inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
-        if text and inner:  # it came from other ranks: show where it was raised too
-            for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
-                who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
-                text += (f"\n{'which came from' if i == 0 else 'and from'} "
-                         f"{ranks_label(getattr(part, 'ranks', []))}{who}:\n"
-                         + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
-        exc: BaseException | None = e
+        e.__traceback__ = tb
+
         try:
-            serialize.dumps(e)
-        except SerializationError:
-            exc = None
+            tree: Any = exctree.describe(e, _own_text if with_traceback else None)
+        except Exception:  # noqa: BLE001 - the type and message still go back
+            log.exception("rank %s: cannot describe a failure", self.rank)
+            tree = None
         e.__traceback__ = None
         return {
             "type": _type_name(e),
-            "message": str(e),
-            "traceback": text,
-            "exc": exc,
+            "message": tree["message"] if tree else str(e),
+            "traceback": tree["traceback"] if tree else "",
+            "exc": None,
+            "tree": tree,
         }
 
     # ------------------------------------------------------------- requests
@@ -543,7 +540,16 @@ class Worker:
         return result
 
     def _do_push(self, content: dict[str, Any]) -> None:
-        self.namespace.update(content)
+        values = {}
+        for name, value in content.items():
+            if isinstance(value, Packed):  # (each value pickled on its own: see ProcMesh.push)
+                try:
+                    value = value.unpack()
+                except Exception as e:  # noqa: BLE001 - told to the controller, in words
+                    why = serialize.load_failure(e, value.payload, "on the ranks")
+                    raise SerializationError(f"cannot load {name!r}: {why}") from None
+            values[name] = value
+        self.namespace.update(values)
 
     def _do_pull(self, content: dict[str, Any]) -> list[Any]:
         out = []
@@ -601,6 +607,28 @@ def cut_debugger_frames(tb: types.TracebackType | None) -> types.TracebackType |
     return out
 
 
+def _own_text(e: BaseException) -> str:
+    """The text of one exception raised on this rank: its frames (less the worker's
+    own) and its ``Type: message`` line; an error that came from other ranks (a
+    :class:`RemoteError` let through) says where it was raised too."""
+    # this module's frames (e.g. the SIGINT handler that raised) are not the user's
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
+        frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
+    only = (e.format_exception_only() if isinstance(e, RemoteError)
+            else traceback.format_exception_only(type(e), e))
+    text = "".join(["Traceback (most recent call last):\n",
+                    *traceback.format_list(frames), *only]) if frames else "".join(only)
+    inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
+    if text and inner:  # it came from other ranks: show where it was raised too
+        for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed
+            who = f" (actor {part.actor})" if getattr(part, "actor", None) else ""  # alike)
+            text += (f"\n{'which came from' if i == 0 else 'and from'} "
+                     f"{ranks_label(getattr(part, 'ranks', []))}{who}:\n"
+                     + getattr(part, "remote_traceback", "").rstrip("\n") + "\n")
+    return text
+
+
 def _type_name(obj: Any) -> str:
     t = obj if isinstance(obj, type) else type(obj)
     mod = t.__module__
@@ -651,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     global current
     p = argparse.ArgumentParser(prog="python -m monarch_kernel worker")
-    p.add_argument("--controller", required=True, help="tcp://host:port of the controller")
+    p.add_argument("--controller", required=True,
+                   help="the controller's endpoint (ipc://PATH or tcp://host:port)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--shape", default="", help='e.g. "hosts=1,procs=4"')
@@ -659,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds")
     p.add_argument("--controller-down", default=None,
-                   help="tcp://host:port the controller sends on (a second connection)")
+                   help="the endpoint the controller sends on (a second connection)")
     p.add_argument("--curve-server-key", default=None,
                    help="the controller's CurveZMQ public key (Z85): encrypt the connection")
     p.add_argument("--telemetry-interval", type=float, default=telemetry.DEFAULT_INTERVAL,

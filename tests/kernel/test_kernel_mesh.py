@@ -135,7 +135,7 @@ def test_bad_magic_input_is_one_line_and_kernel_survives(k4):
     assert r.status == "ok"
 
 
-@pytest.mark.parametrize("var", ["MONARCH_SPIN_US", "MONARCH_LANES"])
+@pytest.mark.parametrize("var", ["MONARCH_SPIN_US", "MONARCH_LANES", "MONARCH_MAX_MESSAGE_BYTES"])
 def test_bad_spin_or_lanes_setting_keeps_the_running_mesh(k4, var):
     """A bad MONARCH_SPIN_US or MONARCH_LANES is refused before the running mesh
     is stopped."""

@@ -9,13 +9,16 @@ two "hosts" (4 tasks, ``-N1 -n4``) on the same node, ranks still host-major.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -240,3 +243,79 @@ def test_a_job_that_fails_to_start_says_why(slurm, capsys):
     assert "before its workers started" in str(e.value) or "while starting" in str(e.value)
     job = re.search(r"job (\d+) ", capsys.readouterr().out).group(1)
     assert not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists()  # removed
+
+
+def test_a_rank_stuck_in_c_code_ends_when_the_kernel_is_killed(slurm):
+    """The kernel's guardian cancels the job: SIGTERM, then SIGKILL (a rank whose
+    main thread holds the GIL cannot run its watchdog, nor a SIGTERM handler)."""
+    ks = KernelSession()
+    pids: list[int] = []
+    try:
+        r = _ok(ks, "%mesh spawn 1x2 --launcher slurm")
+        job = re.search(r"job (\d+) RUNNING", r.stream()).group(1)
+        address = _ok(ks, "mesh.controller.address").result_text().strip("'")
+        pids = _workers_of(address)
+        assert len(pids) == 2
+        ks.kc.execute("%%mesh\nsum(range(10**13))")
+        wait_for(lambda: psutil.Process(pids[0]).cpu_percent(0.3) > 20, 10,
+                 what="rank 0 computing")
+        os.kill(ks.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: not _workers_of(address), 20, what="the ranks gone")
+        took = time.monotonic() - t0
+        print(f"over Slurm, GIL-bound ranks ended {took:.2f} s after the kernel's SIGKILL")
+        assert took < 10.0
+        wait_for(lambda: _job_gone(job), 30, what=f"job {job} cancelled")
+    finally:
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+        ks.kc.stop_channels()
+        ks.km.cleanup_resources()
+
+
+ALLOC_KILLED_DRIVER = r'''
+import os, signal, threading, time
+from monarch_kernel.mesh.procmesh import spawn_procs
+m = spawn_procs(2, launcher="slurm", timeout=60)
+pids = m.exec("import os\nos.getpid()").values()
+deadline = time.monotonic() + 20
+while m.launcher.units[0].step is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+threading.Thread(target=lambda: m.exec("sum(range(10**13))"), daemon=True).start()
+time.sleep(2)
+print("PIDS", list(pids), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_inside_an_allocation_a_stuck_step_ends_when_its_controller_is_killed(slurm, tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(ALLOC_KILLED_DRIVER)
+    name = f"monarch-killed-{os.getpid()}"
+    salloc = subprocess.Popen(["salloc", "-n2", "-J", name, "bash", "-c",
+                               f"{sys.executable} {driver}; sleep 120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    pids: list[int] = []
+    try:
+        line = salloc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("PIDS"), line
+        t0 = time.monotonic()
+        pids = eval(line.split(" ", 1)[1])
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                 != psutil.STATUS_ZOMBIE for p in pids), 20,
+                 what="the step's ranks gone")
+        took = time.monotonic() - t0
+        print(f"in an allocation, GIL-bound ranks ended {took:.2f} s after their "
+              "controller's SIGKILL")
+        assert took < 10.0
+        assert _jobs(name)  # the user's allocation stays
+    finally:
+        for job in _jobs(name):
+            _sh("scancel", job)
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+        salloc.kill()
+        salloc.wait(30)

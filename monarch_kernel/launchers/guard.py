@@ -1,0 +1,374 @@
+"""A guardian: a small process that ends a mesh's workers when their controller ends.
+
+A worker's own watchdog is a Python thread: it cannot run while the rank's
+main thread holds the GIL in C code (``sum(range(10**13))``, a catastrophic
+regular expression), and it knows nothing of the processes that user code
+on the rank started. The guardian is a separate interpreter, started once
+per launcher by the controller (its parent) in a session of its own (a
+Ctrl-C or a ``killpg`` meant for the kernel does not reach it). It is told,
+one line per event on its stdin:
+
+``watch PID``
+    a local worker (started with ``start_new_session=True``: its pid is its
+    process group and session). When the worker exits, for whatever reason,
+    what is left of its process group and session (processes that user code
+    on the rank started, their children...) gets SIGTERM, then SIGKILL
+    ``grace`` seconds later.
+``onexit KEY JSON``
+    commands to run if the controller ends first, e.g. cancelling a Slurm
+    job: ``{"term": [argv, ...], "kill": [argv, ...]}``; the ``term``
+    commands run at once, the ``kill`` ones ``grace`` seconds later.
+``drop KEY``
+    forget the ``onexit`` entry ``KEY`` (the job ended normally).
+
+When the controller ends (its pidfd becomes readable, or stdin reaches end
+of file: the controller closed it, or died), every watched worker's process
+group and session get SIGTERM, the ``term`` commands run, and ``grace``
+seconds later (or as soon as every group is empty) the survivors get SIGKILL
+and the ``kill`` commands run; then the guardian exits. A worker busy in C
+code therefore ends at most ``grace`` seconds (plus the time Slurm takes to
+deliver a signal, for jobs) after its controller.
+
+Processes that leave their rank's session (``setsid``,
+``start_new_session=True``) are not followed: that is how a rank starts a
+process meant to outlive it.
+
+This file runs as a script (``python -I -S guard.py CONTROLLER_PID``) and
+imports nothing but the standard library; :class:`Guardian` is the
+controller's handle on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["DEFAULT_GRACE", "Guardian"]
+
+#: seconds between SIGTERM and SIGKILL
+DEFAULT_GRACE = 2.0
+
+
+# ------------------------------------------------------------------ killing
+def _members(ids: set[int]) -> list[tuple[int, int, int]] | None:
+    """``(pid, process group, session)`` of the live (not zombie) processes
+    whose process group or session is in ``ids``; None where /proc cannot tell."""
+    out: list[tuple[int, int, int]] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rfind(b")") + 2:].split()  # state ppid pgrp session ...
+            state, pgrp, sid = fields[0], int(fields[2]), int(fields[3])
+        except (OSError, IndexError, ValueError):
+            continue
+        if (pgrp in ids or sid in ids) and state not in (b"Z", b"X"):
+            out.append((int(name), pgrp, sid))
+    return out
+
+
+def _signal_trees(ids: set[int], sig: int) -> set[int]:
+    """Send ``sig`` to process groups ``ids`` and to the other processes of
+    sessions ``ids``; return the ids that still have a live process (sig 0:
+    only look)."""
+    if not ids:
+        return set()
+    members = _members(ids)
+    if members is None:  # no /proc: the groups only
+        left = set()
+        for pgid in ids:
+            try:
+                os.killpg(pgid, sig)
+                left.add(pgid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return left
+    left = {pgrp for _, pgrp, _ in members if pgrp in ids}
+    left |= {sid for _, _, sid in members if sid in ids}
+    if sig:
+        for pgid in left & ids:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid, pgrp, sid in members:
+            if sid in ids and pgrp not in ids:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    return left
+
+
+# ------------------------------------------------------------- the process
+class _Watch:
+    """The guardian's state and loop (runs in the guardian process)."""
+
+    def __init__(self, controller: int, grace: float) -> None:
+        self.controller = controller
+        self.grace = grace
+        self.poll = select.poll()
+        self.fds: dict[int, int] = {}  # pidfd -> worker pid
+        self.workers: set[int] = set()
+        self.polled: set[int] = set()  # workers without a pidfd: looked at every 0.1 s
+        self.onexit: dict[str, dict[str, list[list[str]]]] = {}
+        self.pending: dict[int, float] = {}  # pgid -> when SIGKILL is due
+        self.ended: set[int] = set()  # workers that ended in this round
+        self.buf = b""
+        self.ctl_fd = self._pidfd(controller)
+        if self.ctl_fd is not None:
+            self.poll.register(self.ctl_fd, select.POLLIN)
+        self.poll.register(0, select.POLLIN)
+
+    @staticmethod
+    def _pidfd(pid: int) -> int | None:
+        try:
+            return os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None
+
+    def controller_gone(self) -> bool:
+        return os.getppid() != self.controller
+
+    def add(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: end what is left of it
+            self.ended.add(pid)
+            return
+        except (AttributeError, OSError):  # no pidfds here, or no fd left
+            self.workers.add(pid)
+            self.polled.add(pid)
+            return
+        self.fds[fd] = pid
+        self.workers.add(pid)
+        self.poll.register(fd, select.POLLIN)
+
+    def command(self, line: str) -> None:
+        verb, _, rest = line.partition(" ")
+        if verb == "watch":
+            self.add(int(rest))
+        elif verb == "onexit":
+            key, _, spec = rest.partition(" ")
+            self.onexit[key] = json.loads(spec)
+        elif verb == "drop":
+            self.onexit.pop(rest.strip(), None)
+
+    def end_groups(self) -> None:
+        """SIGTERM what is left of the groups of the workers that ended."""
+        ended, self.ended = self.ended, set()
+        self.workers -= ended
+        due = time.monotonic() + self.grace
+        for pgid in _signal_trees(ended, signal.SIGTERM):
+            self.pending[pgid] = due
+
+    def due(self) -> None:
+        """Forget the groups that are empty; SIGKILL the ones whose grace passed."""
+        now = time.monotonic()
+        left = _signal_trees(set(self.pending), 0)
+        late = {g for g in left if now >= self.pending[g]}
+        _signal_trees(late, signal.SIGKILL)
+        self.pending = {g: t for g, t in self.pending.items() if g in left and g not in late}
+
+    def read_commands(self) -> bool:
+        """Carry out the commands waiting on stdin; False at its end."""
+        try:
+            data = os.read(0, 65536)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        for line in lines:
+            try:
+                self.command(line.decode())
+            except (ValueError, TypeError, UnicodeDecodeError):
+                pass
+        return True
+
+    def run(self) -> None:
+        if self.controller_gone():  # it died while we started: what did it start?
+            os.set_blocking(0, False)
+            while self.read_commands() and select.select([0], [], [], 0.2)[0]:
+                pass
+            return self.controller_ended()
+        while True:
+            polling = self.ctl_fd is None
+            timeout = 100 if (self.pending or self.polled or polling) else None
+            for fd, _ in self.poll.poll(timeout):
+                if fd == 0:
+                    if not self.read_commands():
+                        return self.controller_ended()
+                elif fd == self.ctl_fd:
+                    return self.controller_ended()
+                else:
+                    self.poll.unregister(fd)
+                    os.close(fd)
+                    self.ended.add(self.fds.pop(fd))
+            if polling and self.controller_gone():  # no pidfd: look every 0.1 s
+                return self.controller_ended()
+            for pid in list(self.polled):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    self.polled.discard(pid)
+                    self.ended.add(pid)
+            if self.ended:
+                self.end_groups()
+            if self.pending:
+                self.due()
+
+    def _run_all(self, phase: str) -> None:
+        for spec in self.onexit.values():
+            for argv in spec.get(phase, ()):
+                try:
+                    subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, timeout=30, check=False)
+                except (OSError, subprocess.SubprocessError):
+                    pass
+
+    def controller_ended(self) -> None:
+        """End every watched group and run the ``onexit`` commands."""
+        groups = _signal_trees(self.workers | self.ended, signal.SIGTERM) | set(self.pending)
+        self._run_all("term")
+        deadline = time.monotonic() + self.grace
+        jobs = any(spec.get("kill") for spec in self.onexit.values())  # (cannot be watched)
+        while (groups or jobs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            groups = _signal_trees(groups, 0)
+        _signal_trees(groups, signal.SIGKILL)
+        self._run_all("kill")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the guardian (``guard.py CONTROLLER_PID [GRACE]``) until the controller ends."""
+    args = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    controller = int(args[0])
+    grace = float(args[1]) if len(args) > 1 else DEFAULT_GRACE
+    try:  # one pidfd per worker
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+    _Watch(controller, grace).run()
+    return 0
+
+
+# ------------------------------------------------------------- the handle
+class Guardian:
+    """The controller's handle on its guardian process (started on first use).
+
+    Thread-safe. If the guardian process dies, the next call starts a new one
+    (:meth:`ensure` says so, so that the caller can tell it again what to
+    watch).
+
+    Parameters
+    ----------
+    grace : float
+        Seconds between SIGTERM and SIGKILL.
+    """
+
+    def __init__(self, grace: float = DEFAULT_GRACE) -> None:
+        self.grace = grace
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._onexit: dict[str, str] = {}
+
+    @property
+    def pid(self) -> int | None:
+        """The guardian's pid (None before it started)."""
+        return None if self.proc is None else self.proc.pid
+
+    def ensure(self) -> bool:
+        """Start the guardian if it is not running; True if it was (re)started
+        now. Raises OSError if it cannot be started."""
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                return False
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
+                 repr(self.grace)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+            )
+            for line in self._onexit.values():
+                self._write(line)
+            return True
+
+    def _write(self, line: str) -> None:
+        proc = self.proc
+        if proc is None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass  # (it died: the next ensure() starts another)
+
+    def watch(self, pids: list[int]) -> None:
+        """End the process group and session of each of ``pids`` (local
+        workers, each the leader of its own session) when it exits, or when
+        this process ends."""
+        with self._lock:
+            for pid in pids:
+                self._write(f"watch {int(pid)}")
+
+    def on_exit(self, key: str, term: Sequence[list[str]],
+                kill: Sequence[list[str]] = ()) -> None:
+        """Run commands ``term`` (then ``kill``, ``grace`` seconds later) if this
+        process ends before :meth:`drop` ``(key)``; replaces an entry of the same key."""
+        line = f"onexit {key} " + json.dumps({"term": list(term), "kill": list(kill)})
+        with self._lock:
+            self._onexit[key] = line
+            self._write(line)
+
+    def drop(self, key: str) -> None:
+        """Forget the :meth:`on_exit` entry ``key``."""
+        with self._lock:
+            if self._onexit.pop(key, None) is not None:
+                self._write(f"drop {key}")
+
+    def close(self, timeout: float = DEFAULT_GRACE + 1.0) -> None:
+        """Stop the guardian: the :meth:`on_exit` commands are dropped (the
+        caller ended those jobs itself); the process groups it still watches end
+        as if this process had (SIGTERM, SIGKILL after ``grace``). Waits up to
+        ``timeout`` seconds for it."""
+        with self._lock:
+            for key in self._onexit:  # (what the caller stopped itself)
+                self._write(f"drop {key}")
+            self._onexit.clear()
+            proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

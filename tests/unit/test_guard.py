@@ -1,0 +1,132 @@
+"""The guardian (monarch_kernel.launchers.guard) with a stand-in controller and
+stand-in workers: plain processes, no mesh."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from monarch_kernel.launchers.guard import Guardian
+from monarch_kernel.testing.kernel import wait_for
+
+#: a stand-in worker: ignores SIGTERM in C (no Python handler would run while
+#: the GIL is held), starts a child, a grandchild and a child in a group of its
+#: own, prints their pids, then holds the GIL
+WORKER = r"""
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+kids = [subprocess.Popen(["sleep", "600"]),
+        subprocess.Popen(["sh", "-c", "sleep 601 & sleep 602; :"]),
+        subprocess.Popen(["sleep", "603"], preexec_fn=os.setpgrp)]
+print(json.dumps([k.pid for k in kids]), flush=True)
+sum(range(10**13))
+""".replace("import os", "import json, os")
+
+#: a stand-in controller: starts WORKER in a session of its own, has the guardian
+#: watch it and touch files at its own end, prints the pids, then waits
+CONTROLLER = r"""
+import json, subprocess, sys, time
+from monarch_kernel.launchers.guard import Guardian
+g = Guardian(grace=float(sys.argv[2]))
+w = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE,
+                     start_new_session=True)
+g.ensure()
+g.watch([w.pid])
+d = sys.argv[3]
+g.on_exit("job", [["touch", d + "/term"]], [["touch", d + "/kill"]])
+g.on_exit("gone", [["touch", d + "/dropped"]])
+g.drop("gone")
+kids = json.loads(w.stdout.readline())
+print(json.dumps({"guard": g.pid, "worker": w.pid, "kids": kids}), flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+
+
+def _descendants_of(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    return out
+
+
+def test_controller_killed_ends_a_gil_bound_worker_and_its_children(tmp_path):
+    ctl = subprocess.Popen([sys.executable, "-c", CONTROLLER, WORKER, "1.0", str(tmp_path)],
+                           stdout=subprocess.PIPE, text=True)
+    pids: list[int] = [ctl.pid]
+    try:
+        info = json.loads(ctl.stdout.readline())  # type: ignore[union-attr]
+        worker, kids, guard = info["worker"], info["kids"], info["guard"]
+        kids = wait_for(lambda: len(d := _descendants_of([worker])) >= 5 and d, 10,
+                        what="the worker's children")
+        pids += [worker, guard, *kids]
+        ctl.kill()
+        ctl.wait(10)
+        t0 = time.monotonic()
+        wait_for(lambda: not any(_alive(p) for p in [worker, *kids]), 10,
+                 what="worker and children gone")
+        assert time.monotonic() - t0 < 10
+        wait_for(lambda: not _alive(guard), 10, what="the guardian gone")
+        assert (tmp_path / "term").exists() and (tmp_path / "kill").exists()
+        assert not (tmp_path / "dropped").exists()
+    finally:
+        _kill(pids)
+        ctl.wait(10)
+
+
+def test_a_worker_that_ends_takes_its_children_along_and_close_runs_no_commands(tmp_path):
+    g = Guardian(grace=1.0)
+    w = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE,
+                         start_new_session=True)
+    pids = [w.pid]
+    try:
+        json.loads(w.stdout.readline())  # type: ignore[union-attr]
+        kids = wait_for(lambda: len(d := _descendants_of([w.pid])) >= 5 and d, 10,
+                        what="the worker's children")
+        pids += kids
+        assert g.ensure() and not g.ensure()
+        pids.append(g.pid)  # type: ignore[arg-type]
+        g.watch([w.pid])
+        g.on_exit("job", [["touch", str(tmp_path / "term")]])
+        os.kill(w.pid, signal.SIGKILL)
+        w.wait(10)
+        wait_for(lambda: not any(_alive(p) for p in kids), 5, what="the children gone")
+        assert _alive(g.pid)  # type: ignore[arg-type]
+        g.close()
+        assert g.pid is None and not (tmp_path / "term").exists()
+    finally:
+        _kill(pids)
+        w.wait(10)
+        g.close()
+
+
+def test_a_guardian_that_died_is_started_again():
+    g = Guardian()
+    try:
+        assert g.ensure()
+        first = g.pid
+        os.kill(first, signal.SIGKILL)  # type: ignore[arg-type]
+        wait_for(lambda: g.proc.poll() is not None, 10, what="the guardian dead")  # type: ignore[union-attr]
+        assert g.ensure() and g.pid != first
+    finally:
+        g.close()
