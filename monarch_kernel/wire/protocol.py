@@ -549,7 +549,10 @@ class Codec:
         views = [memoryview(f) if type(f) in _PLAIN else _view(f) for f in frames]
         if router:
             try:
-                i = next(i for i, v in enumerate(views) if v[:4] == MAGIC)
+                if len(frames) > 1 and type(frames[1]) is bytes and frames[1][:4] == MAGIC:
+                    i = 1  # (one identity frame, the envelope read as bytes: the common case)
+                else:
+                    i = next(i for i, v in enumerate(views) if v[:4] == MAGIC)
             except StopIteration:
                 raise refused("not ours",
                               "no protocol magic frame (not a monarch_kernel message)") from None
