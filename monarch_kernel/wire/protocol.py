@@ -57,8 +57,8 @@ counts its messages from 1. A receiver keeps, per (sender, epoch), the
 sequence numbers it accepted (:class:`Window`) and refuses any it accepted
 before, at any time in the mesh's life: a replay. It accepts a message that
 arrives late (sent by another thread of the sender, overtaken on another
-path) unless more than :data:`REORDER_LIMIT` later ones of that stream
-reached it first; such a message is refused as too old.
+path) if at most ``REORDER_LIMIT // 2`` (1,024) later ones of that stream
+reached it first; one overtaken by more may be refused as too old.
 
 Which epochs a receiver accepts from a sender: the one it was told to expect
 (:meth:`Codec.expect`) where it was told one, else any (first come, its own
@@ -71,7 +71,6 @@ fresh per controller, so no message of another mesh verifies.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import hmac
 import itertools
@@ -115,9 +114,9 @@ _NO_PARENT = 255
 
 DEFAULT_MAX_HEADER = 64 * 1024 * 1024  # bytes
 DEFAULT_MAX_BUFFERS = 1024 * 1024 * 1024  # bytes
-#: a message of a stream that more than this many later ones of the same stream
-#: overtook on their way to a receiver is refused there as too old (see Window)
-REORDER_LIMIT = 1024
+#: accepted sequence numbers a receiver keeps per stream at most (see Window): a
+#: message that at most half as many later ones of its stream overtook is accepted
+REORDER_LIMIT = 2048
 #: streams of senders with no expected epoch that a codec keeps at most (the
 #: oldest is forgotten first)
 MAX_STREAMS = 4096
@@ -178,10 +177,12 @@ class Window:
     epoch): :meth:`admit` accepts each number once, ever.
 
     It holds ``floor`` (every number up to it is refused: accepted already, or
-    too old) and the numbers above it that were accepted (at most
-    :data:`REORDER_LIMIT`). A stream that arrives in order costs one
-    comparison and no memory; a stream this receiver sees only part of
-    (its sender also talks to others) keeps the last ``REORDER_LIMIT``.
+    too old) and the numbers above it that were accepted (at most ``limit``;
+    when there are more, all but the highest ``limit // 2`` go below the
+    floor). A stream that arrives in order costs a few comparisons and no
+    memory; a stream this receiver sees only part of (its sender also talks
+    to others) keeps ``limit // 2`` to ``limit`` numbers. A number that at
+    most ``limit // 2`` higher ones arrived before is accepted (once).
 
     Parameters
     ----------
@@ -192,13 +193,12 @@ class Window:
         How many accepted numbers above the floor are kept.
     """
 
-    __slots__ = ("floor", "limit", "order", "seen")
+    __slots__ = ("floor", "limit", "seen")
 
     def __init__(self, floor: int = 0, limit: int = REORDER_LIMIT) -> None:
         self.floor = floor
         self.limit = limit
         self.seen: set[int] = set()
-        self.order: collections.deque[int] = collections.deque()  # seen, by arrival
 
     def admit(self, seq: int) -> bool:
         """Accept ``seq`` (True) unless it was accepted before or is too old (False)."""
@@ -208,31 +208,22 @@ class Window:
         seen = self.seen
         if seq == floor + 1:  # in order (the common case)
             if seen:
-                if seq in seen:
-                    return False
-                while seq + 1 in seen:  # a gap closed: the numbers above it join
+                while seq + 1 in seen:  # a gap closed: the numbers above it join the floor
                     seq += 1
                     seen.discard(seq)
-                if not seen:
-                    self.order.clear()
             self.floor = seq
             return True
         if seq in seen:
             return False
         seen.add(seq)
-        order = self.order
-        order.append(seq)
-        if len(order) > self.limit:  # the older half goes below the floor (at once: cheaper)
-            floor = self.floor
-            popleft, discard = order.popleft, seen.discard
-            for _ in range(len(order) - self.limit // 2):
-                old = popleft()
-                discard(old)
-                if old > floor:
-                    floor = old
-            while floor + 1 in seen:  # (numbers at or below it still in `seen` leave in turn)
+        if len(seen) > self.limit:  # the lower ones go below the floor; limit // 2 stay
+            ordered = sorted(seen)
+            cut = len(ordered) - self.limit // 2
+            floor = ordered[cut - 1]
+            self.seen = seen = set(ordered[cut:])
+            while floor + 1 in seen:
                 floor += 1
-                discard(floor)
+                seen.discard(floor)
             self.floor = floor
         return True
 

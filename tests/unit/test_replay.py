@@ -160,6 +160,20 @@ def test_window_accepts_each_number_once_whatever_the_order():
         assert len(accepted) > 300  # (late ones within the window got in)
 
 
+def test_window_accepts_a_number_overtaken_by_at_most_half_its_limit():
+    rng = random.Random(7)
+    for sparse in (1, 5):
+        for _ in range(100):
+            w = protocol.Window(limit=16)
+            seqs = [sparse * i for i in range(1, 300)]
+            seqs.sort(key=lambda s: s + rng.randint(0, 12 * sparse))
+            for i, s in enumerate(seqs):
+                overtaken = sum(1 for t in seqs[:i] if t > s)
+                ok = w.admit(s)
+                if overtaken <= 8:
+                    assert ok, (s, overtaken)
+
+
 def test_sequence_numbers_are_unique_across_threads():
     ctl, rank = _codecs()
     out: list[list[bytes]] = []
