@@ -32,9 +32,10 @@ class BackgroundOutput:
     endpoint or a rank's background thread prints while nothing waits for
     that rank. Written as whole lines (any thread), each tagged with its rank.
 
-    In a kernel it lands where ipykernel puts any thread's output: the cell
-    that runs, else the latest one (the ``Controller``'s ``on_output``; set
-    by ``%mesh spawn``).
+    In a kernel it lands where ipykernel puts any thread's output: from
+    ipykernel 7 on, the cell that runs, else the latest one; with ipykernel 6,
+    the cell that started the thread, here the one that ran ``%mesh spawn``
+    (the ``Controller``'s ``on_output``; set by ``%mesh spawn``).
 
     A rank's chunks are joined into lines first: ``print("a", x)`` reaches
     the controller as several chunks, and two ranks printing at once must
