@@ -2,10 +2,11 @@
 
 Chunks from one rank are joined into whole lines, and each line is written
 with its rank's tag (``[2] loss 0.31``). Identical lines that several ranks
-print in one burst are folded into one line naming the ranks
-(``[0:4] epoch 1``), as the design asks. A line that ends in ``\\r``
-(a progress bar redrawing itself) is kept per rank and replaced, not
-repeated.
+print in one burst are folded into one line naming the ranks as people
+write them (``[0-3] epoch 1``, ``[0, 2] done``: see
+:func:`~monarch_kernel.errors.compact_ranks`), as the design asks. A line
+that ends in ``\\r`` (a progress bar redrawing itself) is kept per rank and
+replaced, not repeated.
 """
 
 from __future__ import annotations
