@@ -175,6 +175,8 @@ class ProcMesh:
             all failing ranks raised alike.
         TimeoutError
             If ``timeout`` seconds passed first.
+        MeshError
+            For a ``timeout`` that is not a positive, finite number of seconds.
 
         Output the ranks print meanwhile is written to ``sys.stdout`` /
         ``sys.stderr`` live, tagged by rank.
@@ -199,7 +201,16 @@ class ProcMesh:
         return Shape({"ranks": len(ranks)}, sorted(ranks))
 
     def exec(self, code: str, timeout: float | None = None) -> ValueMesh:
-        """Run ``code`` on every rank and return the last expression's values."""
+        """Run ``code`` on every rank and return the last expression's values.
+
+        Raises
+        ------
+        MeshError
+            For a ``timeout`` that is not a positive, finite number of seconds
+            (before ``code`` runs); else as :meth:`collect`.
+        """
+        if timeout is not None:
+            timeout = _seconds(timeout, "timeout")
         return self.collect(self.run(code), timeout=timeout)
 
     def push(self, **values: Any) -> None:

@@ -282,13 +282,13 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
             raise RankSpecError(
                 f"bad rank spec {spec!r}; use a rank (2), a list (1,3) or a range (0:2)"
             ) from None
+        if not 0 <= lo <= last:
+            raise RankSpecError(f"rank {lo} does not exist: this mesh has ranks 0 to {last}")
         if ":" in part and lo >= hi:
             raise RankSpecError(
                 f"rank range {part!r} is empty; write START:STOP with START < STOP "
                 f"(STOP excluded), e.g. 0:{world_size}"
             )
-        if not 0 <= lo <= last:
-            raise RankSpecError(f"rank {lo} does not exist: this mesh has ranks 0 to {last}")
         if hi - 1 > last:
             raise RankSpecError(
                 f"rank range {part!r} runs past the last rank: this mesh has ranks 0 to "
