@@ -248,3 +248,12 @@ def test_ranks_stopped_because_one_died_are_named_in_one_line():
         assert "KeyboardInterrupt" not in shown and "0,2:4" not in shown
         assert err.others == []
     assert_no_workers(os.getpid(), timeout=10)
+
+
+def test_actor_call_timeouts_refuse_nan_and_infinities():
+    from monarch_kernel.actor.future import check_timeout
+
+    assert check_timeout(None) is None and check_timeout(0) == 0.0
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="finite number of seconds >= 0"):
+            check_timeout(bad)
