@@ -7,11 +7,10 @@ import types
 
 import pytest
 
-from monarch_kernel.errors import compact_ranks
 from monarch_kernel.controller.controller import RankInfo
+from monarch_kernel.errors import compact_ranks
 from monarch_kernel.mesh.shape import Shape
 from monarch_kernel.testing.kernel import wait_for
-from monarch_kernel.ui import dashboard as dmod
 from monarch_kernel.ui.dashboard import Dashboard, grid_shape, heatmap_svg, sparkline_svg
 from monarch_kernel.ui.status import StatusTable, figures, fmt_bytes, fmt_pct, gpu_texts, state_text
 
