@@ -47,6 +47,7 @@ __all__ = [
     "RemoteError",
     "RemoteFailure",
     "SerializationError",
+    "SpawnInterrupted",
     "TransportError",
     "compact_ranks",
     "group_failures",
@@ -132,15 +133,42 @@ class MeshFailure(MeshError):
         self.endpoint: str | None = None
         self.partial: Any = None
         self.cancelled: list[int] = []
+        #: ranks of the same call that were interrupted because of this failure
+        self.stopped: list[int] = []
+
+    def stopped_text(self) -> str:
+        """``"ranks 0, 2, 3 were stopped because rank 1 died"``, or ``""``."""
+        if not self.stopped:
+            return ""
+        were = "was" if len(set(self.stopped)) == 1 else "were"
+        cause = (f"{ranks_label([self.rank])} died" if self.rank is not None
+                 else "the mesh failed")
+        return f"{ranks_label(self.stopped)} {were} stopped because {cause}"
 
     def _render_traceback_(self) -> list[str]:
-        """What IPython shows: the failure, then what other ranks raised."""
+        """What IPython shows: the failure, the ranks stopped because of it, then
+        what other ranks raised."""
         lines = [f"\x1b[1;31mMeshFailure\x1b[0m: {self}"]
+        if self.stopped:
+            lines.append(self.stopped_text())
         for other in self.others:
             lines.append("")
             render = getattr(other, "_render_traceback_", None)
             lines.extend(render() if render else [f"{type(other).__name__}: {other}"])
         return lines
+
+
+class SpawnInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a kernel interrupt) while a mesh was starting; its workers are stopped.
+
+    A ``KeyboardInterrupt`` (``except KeyboardInterrupt`` still catches it) whose
+    message says in one line what was interrupted and what is left, e.g.
+    ``"spawn interrupted: 2 of 4 ranks had started; nothing is left running"``;
+    IPython shows that line instead of a traceback through the spawn's waits.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[1;31mKeyboardInterrupt\x1b[0m: {self}"]
 
 
 class SerializationError(MonarchError):
@@ -265,26 +293,38 @@ class ActorError(RemoteError):
 
 
 def ranks_label(ranks: list[int]) -> str:
-    """How messages name ``ranks``: ``"rank 3"``, ``"ranks 0:3,5"``, ``"remote"`` (none)."""
-    if not ranks:
+    """How messages name ``ranks``: ``"rank 3"``, ``"ranks 0-3"``, ``"ranks 0, 2, 3"``,
+    ``"remote"`` (none); each rank once, in order (see :func:`compact_ranks`)."""
+    rs = sorted(set(ranks))
+    if not rs:
         return "remote"
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + compact_ranks(ranks)
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    return "ranks " + compact_ranks(rs)
 
 
 def compact_ranks(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0:3,5"`` (half-open ranges, like ``--ranks``)."""
+    """Ranks as people write them: ``[0, 1, 2, 3]`` -> ``"0-3"``; ``[0, 2, 3]`` ->
+    ``"0, 2, 3"``; ``[0, 1, 2, 5, 7, 8, 9]`` -> ``"0-2, 5, 7-9"``.
+
+    Runs of three or more consecutive ranks are written ``first-last`` (both
+    included); each rank appears once, in increasing order. The one way ranks
+    are written in every message (errors, output tags, the debugger, the
+    dashboard).
+    """
     out: list[str] = []
-    rs = sorted(ranks)
+    rs = sorted(set(ranks))
     i = 0
     while i < len(rs):
         j = i
         while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
             j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}:{rs[j] + 1}")
+        if j - i >= 2:
+            out.append(f"{rs[i]}-{rs[j]}")
+        else:
+            out.extend(str(r) for r in rs[i:j + 1])
         i = j + 1
-    return ",".join(out)
+    return ", ".join(out)
 
 
 _subclass_cache: dict[tuple[type, type], type[RemoteError] | None] = {}
@@ -591,8 +631,9 @@ def raise_request_failures(req: FailedRequest, actor: str | None = None) -> None
     Raises
     ------
     MeshFailure
-        ``req.failure`` (a rank died, the mesh stopped), with the ranks that raised
-        too in its ``others``.
+        ``req.failure`` (a rank died, the mesh stopped): the ranks interrupted because
+        of it in its ``stopped`` (shown as one line: "ranks 0, 2, 3 were stopped
+        because rank 1 died"), the ranks that raised something else in its ``others``.
     RemoteError
         (:class:`ActorError` when ``actor`` is given) for the ranks that raised; an
         instance of the original exception type as well, other groups of ranks that
@@ -600,9 +641,19 @@ def raise_request_failures(req: FailedRequest, actor: str | None = None) -> None
     """
     failures = req.failures(actor)
     if req.failure is not None:
+        failure = req.failure
+        # ranks interrupted because of the failure (ProcMesh.collect stops the survivors)
+        # are named in one line; what other ranks raised is shown with the failure
+        stopped = [f.rank for f in failures if f.type_name.rsplit(".", 1)[-1]
+                   == "KeyboardInterrupt" and f.rank != failure.rank]
+        failures = [f for f in failures if f.rank not in stopped]
+        if stopped and not failure.stopped:
+            failure.stopped = sorted(stopped)
+            if sys.version_info >= (3, 11):  # (a script shows it under the failure)
+                failure.add_note(failure.stopped_text())
         if failures:  # ranks that failed too (often because of the dead one)
-            req.failure.others = [remote_exception(g) for g in group_failures(failures)]
-        raise req.failure
+            failure.others = [remote_exception(g) for g in group_failures(failures)]
+        raise failure
     if failures:
         base = ActorError if actor else RemoteError
         groups = group_failures(failures)

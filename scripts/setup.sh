@@ -2,10 +2,22 @@
 # Set up everything monarch_kernel needs, in ./.venv: CPU torch, the package
 # (editable, with the test, lint and docs extras) and the Jupyter kernelspec "monarch".
 # Idempotent: a second run with an unchanged pyproject.toml does almost nothing.
+#
+# MONARCH_DEPS=oldest: the oldest versions the package declares it supports instead
+# (scripts/oldest-constraints.txt), with the test extra only, in ./.venv-oldest
+# (scripts/test_oldest.sh runs the tests there). MONARCH_VENV=DIR: another venv folder.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT="$PWD"
-VENV="$ROOT/.venv"
+DEPS="${MONARCH_DEPS:-newest}"
+case "$DEPS" in
+    newest) EXTRAS="test,lint,docs"; CONSTRAINTS=(); DEFAULT_VENV="$ROOT/.venv" ;;
+    oldest) EXTRAS="test"; CONSTRAINTS=(-c "$ROOT/scripts/oldest-constraints.txt")
+            DEFAULT_VENV="$ROOT/.venv-oldest" ;;
+    *) echo "[setup] ERROR: MONARCH_DEPS=$DEPS: give newest or oldest" >&2; exit 2 ;;
+esac
+VENV="${MONARCH_VENV:-$DEFAULT_VENV}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 PY="$VENV/bin/python"
 STAMP="$VENV/.monarch-setup-stamp"
 TORCH_SPEC="${MONARCH_TORCH_SPEC:-torch==2.13.0}"
@@ -25,7 +37,9 @@ if [ ! -x "$PY" ]; then
     "$BASE_PY" -m venv "$VENV" || die "could not create a venv (on Debian/Ubuntu: apt-get install python3-venv)"
 fi
 
-want_stamp="$(cat pyproject.toml scripts/setup.sh monarch_kernel/kernel/kernelspec.py | sha256sum | cut -d' ' -f1) $PY"
+stamp_files=(pyproject.toml scripts/setup.sh monarch_kernel/kernel/kernelspec.py)
+[ "$DEPS" = oldest ] && stamp_files+=(scripts/oldest-constraints.txt)
+want_stamp="$(cat "${stamp_files[@]}" | sha256sum | cut -d' ' -f1) $DEPS $PY"
 spec_json="$VENV/share/jupyter/kernels/monarch/kernel.json"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] && [ -f "$spec_json" ] \
         && grep -qF "\"$PY\"" "$spec_json"; then
@@ -50,13 +64,15 @@ else
     Install a torch >= 2.1 into $VENV yourself, or set MONARCH_TORCH_SPEC, and rerun."
 fi
 
-# 4. The package itself, editable, with the test, lint and docs extras.
-say "installing monarch-kernel (editable, with [test,lint,docs] extras)"
-"$PY" -m pip install -q -e ".[test,lint,docs]" || die "pip install -e .[test,lint,docs] failed"
+# 4. The package itself, editable, with the test, lint and docs extras (oldest: the
+#    test extra, the dependencies held at scripts/oldest-constraints.txt).
+say "installing monarch-kernel (editable, with [$EXTRAS] extras, $DEPS dependencies)"
+"$PY" -m pip install -q ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} -e ".[$EXTRAS]" \
+    || die "pip install -e .[$EXTRAS] ($DEPS dependencies) failed"
 
 # 5. The kernelspec, into the venv (found by jupyter/nbclient run from the venv).
 say "installing the kernelspec"
 "$PY" -m monarch_kernel install --sys-prefix || die "kernelspec install failed"
 
 echo "$want_stamp" > "$STAMP"
-say "done: $VENV is ready (kernel 'monarch')"
+say "done: $VENV is ready (kernel 'monarch', $DEPS dependencies)"

@@ -44,7 +44,7 @@ def check_timeout(timeout: Any) -> float | None:
     TypeError
         If it is not a real number (or None).
     ValueError
-        If it is negative or NaN.
+        If it is negative, NaN or infinite.
     """
     if timeout is None:
         return None
@@ -52,9 +52,9 @@ def check_timeout(timeout: Any) -> float | None:
         raise TypeError(f"timeout is a number of seconds, or None to wait as long as it "
                         f"takes; got {timeout!r} ({type(timeout).__name__})")
     # (numbers.Real declares only < and <=, its abstract methods; every concrete one has >=)
-    if not timeout >= 0:  # type: ignore[operator]
-        raise ValueError(f"timeout is in seconds, >= 0, or None to wait as long as it "
-                         f"takes; got {timeout!r}")
+    if not timeout >= 0 or timeout == float("inf"):  # type: ignore[operator]
+        raise ValueError(f"timeout is a finite number of seconds >= 0, or None to wait as "
+                         f"long as it takes; got {timeout!r}")
     return float(timeout)
 
 
@@ -214,7 +214,7 @@ class Future(Generic[T]):
         MeshFailure
             If the actor was stopped or its process died.
         ValueError
-            If ``timeout`` is negative (or NaN).
+            If ``timeout`` is negative, NaN or infinite.
         TypeError
             If ``timeout`` is not a number.
         """

@@ -46,7 +46,7 @@ from monarch_kernel.controller.batching import Batcher
 from monarch_kernel.controller.io import ControllerIO, spin_seconds
 from monarch_kernel.controller.output_pipes import RankOutput
 from monarch_kernel.controller.request import RankInfo, Request
-from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError
+from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError, ranks_label
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
 from monarch_kernel.transport.sockets import (
@@ -491,7 +491,8 @@ class Controller:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"ranks {missing} did not connect to the controller at {self.address} "
+                        f"{ranks_label(missing)} did not connect to the controller at "
+                        f"{self.address} "
                         f"within {timeout:.0f} s; check that workers can reach that address"
                     )
                 self._hello.wait(min(left, 0.1))

@@ -2,14 +2,16 @@
 
 Chunks from one rank are joined into whole lines, and each line is written
 with its rank's tag (``[2] loss 0.31``). Identical lines that several ranks
-print in one burst are folded into one line naming the ranks
-(``[0:4] epoch 1``), as the design asks. A line that ends in ``\\r``
-(a progress bar redrawing itself) is kept per rank and replaced, not
-repeated.
+print in one burst are folded into one line naming the ranks as people
+write them (``[0-3] epoch 1``, ``[0, 2] done``: see
+:func:`~monarch_kernel.errors.compact_ranks`), as the design asks. A line
+that ends in ``\\r`` (a progress bar redrawing itself) is kept per rank and
+replaced, not repeated.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -17,6 +19,9 @@ from collections.abc import Callable
 from monarch_kernel.errors import compact_ranks
 
 __all__ = ["BackgroundOutput", "RankPrinter", "write_stream"]
+
+#: a line with its end: ``\n``, ``\r\n`` or a lone ``\r`` (a progress bar's redraw)
+_LINE = re.compile(r"[^\r\n]*(?:\r\n?|\n)")
 
 
 def write_stream(name: str, text: str) -> None:
@@ -32,9 +37,10 @@ class BackgroundOutput:
     endpoint or a rank's background thread prints while nothing waits for
     that rank. Written as whole lines (any thread), each tagged with its rank.
 
-    In a kernel it lands where ipykernel puts any thread's output: the cell
-    that runs, else the latest one (the ``Controller``'s ``on_output``; set
-    by ``%mesh spawn``).
+    In a kernel it lands where ipykernel puts any thread's output: from
+    ipykernel 7 on, the cell that runs, else the latest one; with ipykernel 6,
+    the cell that started the thread, here the one that ran ``%mesh spawn``
+    (the ``Controller``'s ``on_output``; set by ``%mesh spawn``).
 
     A rank's chunks are joined into lines first: ``print("a", x)`` reaches
     the controller as several chunks, and two ranks printing at once must
@@ -54,22 +60,33 @@ class BackgroundOutput:
     def __init__(self, write: Callable[[str, str], None] = write_stream) -> None:
         self._write = write
         self._lock = threading.Lock()
-        self._partial: dict[tuple[int, str], str] = {}  # (rank, stream) -> unfinished line
+        # (rank, stream) -> the chunks of its unfinished line, joined once it ends
+        self._partial: dict[tuple[int, str], list[str]] = {}
+        #: characters scanned or copied so far: at most twice those received (each
+        #: chunk is searched for a line end once, and copied once when its line ends)
+        self.chars_scanned = 0
         self._midline: set[tuple[int, str]] = set()  # its beginning was written already
         self._timer: threading.Timer | None = None
 
     def __call__(self, rank: int, name: str, text: str) -> None:
         key = (rank, name)
         with self._lock:
-            pieces = (self._partial.pop(key, "") + text).splitlines(keepends=True)
-            out = []
-            for piece in pieces:
-                if not piece.endswith(("\n", "\r")):  # the unfinished end: wait for the rest
-                    self._partial[key] = piece
-                    break
-                out.append(piece if key in self._midline else f"[{rank}] {piece}")
-                self._midline.discard(key)
-            if out:
+            self.chars_scanned += len(text)
+            end = max(text.rfind("\n"), text.rfind("\r"))
+            if end < 0:  # no line ends here: the unfinished line grows (no copy made)
+                if text:
+                    self._partial.setdefault(key, []).append(text)
+            else:
+                parts = self._partial.pop(key, [])
+                parts.append(text[:end + 1])
+                head = "".join(parts)
+                self.chars_scanned += len(head)
+                out = []
+                for piece in _LINE.findall(head):
+                    out.append(piece if key in self._midline else f"[{rank}] {piece}")
+                    self._midline.discard(key)
+                if end + 1 < len(text):  # the unfinished end: wait for the rest
+                    self._partial[key] = [text[end + 1:]]
                 self._write(name, "".join(out))
             if self._partial and self._timer is None:
                 self._timer = threading.Timer(self.PARTIAL_S, self._flush_partial)
@@ -81,7 +98,8 @@ class BackgroundOutput:
         with self._lock:
             self._timer = None
             partial, self._partial = self._partial, {}
-            for (rank, name), piece in partial.items():
+            for (rank, name), parts in partial.items():
+                piece = "".join(parts)
                 self._write(name, piece if (rank, name) in self._midline else f"[{rank}] {piece}")
                 self._midline.add((rank, name))
 
@@ -107,17 +125,33 @@ class RankPrinter:
         self._write = write
         self._on_progress = on_progress
         self._progress: dict[tuple[int, str], str] = {}
-        self._partial: dict[tuple[int, str], str] = {}
+        # (rank, stream) -> the chunks of its unfinished line, joined once it ends
+        self._partial: dict[tuple[int, str], list[str]] = {}
+        #: characters scanned or copied so far (see :meth:`feed`)
+        self.chars_scanned = 0
         self._fold = fold
         self._held: list[tuple[str, str, list[int]]] = []  # (name, line, ranks)
 
     def feed(self, rank: int, name: str, text: str) -> None:
-        """Add a chunk of ``name`` output from ``rank``."""
+        """Add a chunk of ``name`` output from ``rank``.
+
+        Linear in the output: each chunk is searched for line ends once and
+        copied once more when its line ends (see :attr:`chars_scanned`), however
+        long the line (a 50 MB line arrives as hundreds of chunks).
+        """
         key = (rank, name)
-        text = self._partial.pop(key, "") + text
-        *lines, rest = text.split("\n")
-        if rest:
-            self._partial[key] = rest
+        self.chars_scanned += len(text)
+        end = text.rfind("\n")
+        lines: list[str] = []
+        if end >= 0:
+            parts = self._partial.pop(key, [])
+            parts.append(text[:end])
+            head = "".join(parts)
+            self.chars_scanned += len(head)
+            lines = head.split("\n")
+            rest = text[end + 1:]
+        else:
+            rest = text
         for line in lines:
             if "\r" in line:
                 line = line.rstrip("\r").rsplit("\r", 1)[-1]
@@ -127,14 +161,24 @@ class RankPrinter:
                 self._on_progress(rank, name, line, False)
                 continue
             self._add(rank, name, line)
-        if rest and "\r" in rest and self._on_progress is not None:
-            current = rest.rstrip("\r").rsplit("\r", 1)[-1]
-            self._partial[key] = current
+        if not rest:
+            return
+        if "\r" in rest and self._on_progress is not None:
+            # (an unfinished line kept with a progress reporter holds no "\r")
+            redrawn = rest.rstrip("\r")
+            if "\r" in redrawn:
+                current = redrawn.rsplit("\r", 1)[-1]
+            else:
+                current = "".join([*self._partial.get(key, []), redrawn])
+                self.chars_scanned += len(current)
+            self._partial[key] = [current]
             if current and self._progress.get(key) != current:
                 first = key not in self._progress
                 self._progress[key] = current
                 self.flush_lines()
                 self._on_progress(rank, name, current, first)
+        else:
+            self._partial.setdefault(key, []).append(rest)
 
     def _add(self, rank: int, name: str, line: str) -> None:
         if self._fold:
@@ -167,9 +211,12 @@ class RankPrinter:
 
     def close(self) -> None:
         """Write everything, including unfinished lines."""
-        for (rank, name), rest in sorted(self._partial.items()):
+        for (rank, name), parts in sorted(self._partial.items()):
             if (rank, name) in self._progress:
                 continue  # already shown in place
+            rest = "".join(parts)
+            if not rest:
+                continue
             self._add(rank, name, rest.rsplit("\r", 1)[-1])
         self._partial.clear()
         self._progress.clear()

@@ -47,15 +47,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.debug.ranks import (
-    compact_ranks,
-    parse_debug_ranks,
-    plural,
-    ranks_text,
-    report_quits,
-)
+from monarch_kernel.debug.ranks import parse_debug_ranks, ranks_text, report_quits
 from monarch_kernel.debug.registry import DebugRegistry, DebugSession
-from monarch_kernel.errors import RankSpecError
+from monarch_kernel.errors import RankSpecError, compact_ranks, ranks_label
 
 __all__ = ["HELP", "DebugConsole", "parse_debug_ranks", "report_quits"]
 
@@ -268,8 +262,8 @@ class DebugConsole:
                 others = [p for p in self._paused() if p.sid not in seq0]
                 if others and all(now - s.since > self.patience for s in running):
                     ranks = sorted({s.rank for s in running})
-                    self._warn(f"{plural(ranks)} still running (it may wait for the paused "
-                               f"{plural(sorted({p.rank for p in others}))}, e.g. in a "
+                    self._warn(f"{ranks_label(ranks)} still running (it may wait for the paused "
+                               f"{ranks_label(sorted({p.rank for p in others}))}, e.g. in a "
                                "collective); back to the prompt")
                     return current
             self._pump(0.05)
@@ -575,8 +569,8 @@ class DebugConsole:
             if waiting and not self.registry.sessions("paused", parent=req.id):
                 req.put_event(("debug", -1, {
                     "kind": "note",
-                    "text": f"{plural(waiting)} still running after {plural(quit_ranks)} "
-                            f"quit; {advice}",
+                    "text": f"{ranks_label(waiting)} still running after "
+                            f"{ranks_label(quit_ranks)} quit; {advice}",
                 }))
 
         threading.Thread(target=check, name="monarch-debug-hint", daemon=True).start()

@@ -1,8 +1,9 @@
 """Ranks in the debugger's words: the console's rank specs, and ranks named in messages.
 
 :func:`parse_debug_ranks` reads what ``cast``/``attach`` accept (``3``,
-``1,2``, ``0:4``, ``all``, ``procs=1:3``); :func:`plural` and
-:func:`ranks_text` name ranks in the console's lines; :func:`report_quits`
+``1,2``, ``0:4``, ``all``, ``procs=1:3``); :func:`ranks_text` names the
+ranks of debugger sessions (ranks themselves are written by
+:func:`monarch_kernel.errors.ranks_label` everywhere); :func:`report_quits`
 turns the ``BdbQuit`` replies of a cell into one line (used by the cell
 magic and the ``%mesh debug`` bridge as well as the console).
 """
@@ -13,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.debug.registry import DebugSession
-from monarch_kernel.errors import RankSpecError
+from monarch_kernel.errors import RankSpecError, compact_ranks, ranks_label
 from monarch_kernel.mesh.shape import parse_ranks
 
-__all__ = ["compact_ranks", "parse_debug_ranks", "plural", "ranks_text", "report_quits"]
+__all__ = ["parse_debug_ranks", "ranks_text", "report_quits"]
 
 
 def parse_debug_ranks(spec: str, shape: Any, world_size: int) -> list[int]:
@@ -79,23 +80,13 @@ def report_quits(req: Any, write: Callable[[str], None]) -> list[int]:
             quit_ranks.append(rank)
     if quit_ranks:
         quit_ranks.sort()
-        who = f"rank {quit_ranks[0]}" if len(quit_ranks) == 1 else f"ranks {quit_ranks}"
-        write(f"{who}: debugging ended with quit; the cell's code stopped there (BdbQuit)\n")
+        write(f"{ranks_label(quit_ranks)}: debugging ended with quit; the cell's code stopped "
+              "there (BdbQuit)\n")
     return quit_ranks
 
 
-def compact_ranks(ranks: list[int]) -> str:
-    """``1, 2, 5``."""
-    return ", ".join(str(r) for r in ranks)
-
-
-def plural(ranks: list[int]) -> str:
-    """``rank 3`` or ``ranks 1, 2``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
-
-
 def ranks_text(sessions: list[DebugSession]) -> str:
-    """The ranks of ``sessions``: ``rank 3`` or ``2 ranks (1, 2)``."""
+    """The ranks of ``sessions``: ``rank 3``, ``2 ranks (1, 2)``, ``4 ranks (0-3)``."""
     ranks = sorted({s.rank for s in sessions})
     if len(ranks) == 1:
         return f"rank {ranks[0]}"

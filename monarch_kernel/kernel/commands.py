@@ -29,9 +29,10 @@ from IPython.core.error import UsageError
 from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
 from monarch_kernel.mesh.supervision import RESTART_POLICIES
 from monarch_kernel.tensors.handles import show
+from monarch_kernel.util.numbers import check_number
 
-__all__ = ["COMMANDS", "CELL", "Arg", "Command", "MeshArgumentParser", "SLURM_OPTIONS",
-           "command", "usage_text"]
+__all__ = ["CELL", "COMMANDS", "COUNT", "POSITIVE_SECONDS", "SECONDS", "SLURM_OPTIONS", "Arg",
+           "Command", "MeshArgumentParser", "command", "number", "usage_text"]
 
 
 def _default(fn: Callable[..., Any], name: str) -> Any:
@@ -171,11 +172,34 @@ class Command:
         return "\n".join(lines)
 
 
+def number(*, integer: bool = False, **limits: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` for a number that :func:`~monarch_kernel.util.numbers.check_number`
+    accepts with ``limits`` (``above=True, seconds=True``: positive seconds).
+
+    Text that is no number gives argparse's ``invalid float value: 'abc'``; NaN,
+    infinities and numbers out of range give ``argument --x: must be ..., not 'nan'``.
+    """
+    def parse(text: str) -> Any:
+        value = int(text) if integer else float(text)  # (ValueError: "invalid float value")
+        try:
+            return check_number(value, integer=integer, **limits)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).replace(f"not {value!r}", f"not {text!r}")
+                                             ) from None
+    parse.__name__ = "int" if integer else "float"  # (argparse names the type so)
+    return parse
+
+
+#: seconds > 0 (timeouts, intervals); seconds >= 0; counts >= 0
+POSITIVE_SECONDS = number(above=True, seconds=True)
+SECONDS = number(seconds=True)
+COUNT = number(integer=True)
+
 _SPAWN = spawn_procs
 
 CELL = Command("%%mesh", "run the cell on every rank (or SPEC: 0, 1,3, 0:2)", (
     ("", (arg("--ranks", metavar="SPEC", default=None, help="the ranks to run on"),
-          arg("--timeout", metavar="SECONDS", type=float, default=None,
+          arg("--timeout", metavar="SECONDS", type=POSITIVE_SECONDS, default=None,
               help="interrupt the ranks after this many seconds"))),
 ))
 
@@ -194,20 +218,26 @@ COMMANDS: tuple[Command, ...] = (
                   help="the notebook variable (and %mesh use name) of the mesh"))),
         ("", (arg("--restart", choices=list(RESTART_POLICIES), default=_default(_SPAWN, "restart"),
                   help="replace a rank that dies"),
-              arg("--max-restarts", metavar="K", type=int,
-                  default=_default(_SPAWN, "max_restarts"), help="restart budget of the mesh"))),
-        ("", (arg("--heartbeat", metavar="S", type=float, default=_default(_SPAWN, "heartbeat"),
+              arg("--max-restarts", metavar="K", type=COUNT,
+                  default=_default(_SPAWN, "max_restarts"), help="restart budget of the mesh"),
+              arg("--force", action="store_true",
+                  help="start the ranks even if they are far more than this host's CPUs "
+                       "or memory allow"))),
+        ("", (arg("--heartbeat", metavar="S", type=POSITIVE_SECONDS,
+                  default=_default(_SPAWN, "heartbeat"),
                   help="seconds between heartbeats"),
-              arg("--timeout", metavar="S", type=float, default=_default(_SPAWN, "timeout"),
+              arg("--timeout", metavar="S", type=POSITIVE_SECONDS,
+                  default=_default(_SPAWN, "timeout"),
                   help="seconds the ranks may take to start"),
-              arg("--telemetry-interval", metavar="S", type=float,
+              arg("--telemetry-interval", metavar="S", type=number(seconds=True, zero="off"),
                   default=_default(_SPAWN, "telemetry_interval"),
                   help="seconds between telemetry samples (0: off)"))),
         ("Slurm:", (arg("--partition", metavar="P", help="sbatch --partition"),
                     arg("--time", metavar="T", help="sbatch --time"),
                     arg("--account", metavar="A", help="sbatch --account"),
-                    arg("--gpus-per-node", metavar="G", type=int, help="GPUs of each node"),
-                    arg("--nodes", metavar="N", type=int, help="sbatch --nodes"),
+                    arg("--gpus-per-node", metavar="G", type=COUNT, help="GPUs of each node"),
+                    arg("--nodes", metavar="N", type=number(integer=True, minimum=1),
+                        help="sbatch --nodes"),
                     arg("--sbatch", metavar="ARGS", help="more sbatch arguments"))),
     )),
     CELL,
@@ -219,23 +249,23 @@ COMMANDS: tuple[Command, ...] = (
         ("", (arg("name", metavar="NAME"),)),), assigns="r", parsed=False),
     Command("show", "per rank: type, shape, dtype, device, K values", (
         ("", (arg("target", metavar="REF|NAME", help="a handle, or a variable of the ranks"),
-              arg("--values", metavar="K", type=int, default=_default(show, "preview"),
+              arg("--values", metavar="K", type=COUNT, default=_default(show, "preview"),
                   help="values shown of each rank"))),)),
     Command("status", "rank, host, pid, state, cpu, memory, gpu", parsed=False),
     Command("dashboard", "live widget", (
-        ("", (arg("--interval", metavar="S", type=float,
+        ("", (arg("--interval", metavar="S", type=POSITIVE_SECONDS,
                   default=_default(ProcMesh.dashboard, "interval"), help="seconds between updates"),
-              arg("--history", metavar="S", type=float,
+              arg("--history", metavar="S", type=POSITIVE_SECONDS,
                   default=_default(ProcMesh.dashboard, "history"), help="seconds of history"),
               arg("--layout", choices=["auto", "rows", "heatmap"],
                   default=_default(ProcMesh.dashboard, "layout"), help="rows or a heat map"))),)),
     Command("restart", "replace ranks (3, 1,2, 0:4, all) with fresh processes", (
         ("", (arg("ranks", metavar="RANKS", help="a rank spec: 3, 1,2, 0:4 or all"),
-              arg("--timeout", metavar="S", type=float,
+              arg("--timeout", metavar="S", type=POSITIVE_SECONDS,
                   default=_default(ProcMesh.restart, "timeout"),
                   help="seconds the new ranks may take to start"))),)),
     Command("debug", "console for paused ranks (breakpoint() on ranks)", (
-        ("", (arg("--wait", metavar="S", type=float, default=0.0,
+        ("", (arg("--wait", metavar="S", type=SECONDS, default=0.0,
                   help="wait this long for a rank to pause"),
               arg("--post-mortem", dest="post_mortem", metavar="RANK", default=None,
                   help="debug the last uncaught exception of RANK"))),)),

@@ -30,8 +30,7 @@ from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, comman
 
 # (debug_bridge also serves the calls of actors paused in pdb)
 from monarch_kernel.kernel.debug_bridge import cell_console, debug_command, finish_cell
-from monarch_kernel.launchers import get_launcher
-from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
+from monarch_kernel.mesh.procmesh import ProcMesh, check_spawn, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.transport.sockets import max_message_bytes
@@ -98,6 +97,11 @@ def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"%mesh spawn: cannot parse --sbatch {given['--sbatch']!r}: {e}"
                              ) from None
     return out
+
+
+def _force_hint(message: str) -> str:
+    """A refused spawn's message in the magic's words (``--force``, not ``force=True``)."""
+    return message.replace("force=True (%mesh spawn ... --force)", "--force")
 
 
 @magics_class
@@ -185,26 +189,26 @@ class MeshMagics(Magics):
 
     # ------------------------------------------------------------ commands
     def _cmd_spawn(self, argv: list[str]) -> None:
-        a = command("spawn").parse(argv)
-        if a.telemetry_interval < 0:
-            raise UsageError("%mesh spawn: --telemetry-interval must be 0 (off) or more seconds")
-        if a.max_restarts < 0:
-            raise UsageError("%mesh spawn: --max-restarts must be 0 or more")
-        if not (a.heartbeat > 0 and a.timeout > 0):  # (also rejects nan)
-            raise UsageError("%mesh spawn: --heartbeat and --timeout must be positive seconds")
+        # every argument is checked before the previous mesh is stopped: a typo must not
+        # cost the running mesh (and the ranks' state)
+        a = command("spawn").parse(argv)  # (numbers: NaN, infinities, negatives refused)
         dims = parse_shape(a.size)
         launcher_options = slurm_options(a)
         if not a.name.isidentifier():
             raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
-        try:  # before the previous mesh is stopped: a typo must not cost the running mesh
-            launcher = get_launcher(a.launcher, **launcher_options)
+        try:
             spin_seconds()  # (MONARCH_SPIN_US, read by the mesh's controller)
             lanes_enabled()  # (MONARCH_LANES, ...: likewise)
             peer_lead_enabled()
             sched_batch_enabled()
             max_message_bytes()  # (MONARCH_MAX_MESSAGE_BYTES: every socket's bound)
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"%mesh spawn: {e}") from None
+            _, launcher, _ = check_spawn(
+                dims, dist=a.dist, launcher=a.launcher, launcher_options=launcher_options,
+                bind=a.bind, restart=a.restart, max_restarts=a.max_restarts,
+                heartbeat=a.heartbeat, timeout=a.timeout,
+                telemetry_interval=a.telemetry_interval, force=a.force)
+        except (ValueError, TypeError, MeshError) as e:
+            raise UsageError(f"%mesh spawn: {_force_hint(str(e))}") from None
         old = self.meshes.pop(a.name, None)
         if old is not None and not old.root._stopped:
             print(f"stopping the previous mesh {a.name!r} {old.shape.dims}")
@@ -214,7 +218,7 @@ class MeshMagics(Magics):
             m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
                             restart=a.restart, max_restarts=a.max_restarts,
                             heartbeat=a.heartbeat, timeout=a.timeout,
-                            telemetry_interval=a.telemetry_interval,
+                            telemetry_interval=a.telemetry_interval, force=a.force,
                             on_output=BackgroundOutput())  # (broadcasts, background threads)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
@@ -426,7 +430,7 @@ class MeshMagics(Magics):
             m.launcher.signal(waiting, signal.SIGTERM)
             time.sleep(0.5)
             m.launcher.signal([r for r in waiting if r not in req.replies], signal.SIGKILL)
-        killed.extend(waiting)
+        killed.extend(r for r in waiting if r not in killed)  # (each rank named once)
         return first
 
     def _pump(self, req: Request, printer: RankPrinter, start: float, timeout: float | None,

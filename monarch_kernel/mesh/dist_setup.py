@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.debug import server as debug_server
-from monarch_kernel.debug.ranks import plural
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.errors import raise_request_failures
+from monarch_kernel.errors import raise_request_failures, ranks_label
 from monarch_kernel.tensors import store as tensor_store
 from monarch_kernel.transport.sockets import endpoint_host
 from monarch_kernel.util import gpu
@@ -325,7 +324,7 @@ def aborted_message(quit_ranks: list[int], aborted: dict[int, str],
     their debugger were aborted (and whether the process group works again)."""
     calls = ", ".join(sorted({f"dist.{c}" for c in aborted.values()}))
     waited = sorted(aborted)
-    text = (f"{plural(quit_ranks)} quit the debugger while {plural(waited)} waited for "
+    text = (f"{ranks_label(quit_ranks)} quit the debugger while {ranks_label(waited)} waited for "
             f"{'it' if len(quit_ranks) == 1 else 'them'} in a collective ({calls}); "
             f"{'its call was' if len(waited) == 1 else 'their calls were'} aborted. ")
     if restore_error is None:

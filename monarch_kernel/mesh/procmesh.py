@@ -11,6 +11,9 @@ its meshes has them stopped at exit.
 from __future__ import annotations
 
 import atexit
+import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -28,7 +31,10 @@ from monarch_kernel.errors import (
     MeshFailure,
     RankSpecError,
     SerializationError,
+    SpawnInterrupted,
+    compact_ranks,
     raise_request_failures,
+    ranks_label,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
 from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
@@ -42,9 +48,18 @@ from monarch_kernel.mesh.supervision import (
 from monarch_kernel.tensors.handles import ref_of
 from monarch_kernel.transport.netaddr import is_wildcard, resolve_bind
 from monarch_kernel.transport.sockets import is_loopback
+from monarch_kernel.util.numbers import check_number
+from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.wire.serialize import Packed, cuda_ipc, find_unpicklable
 
-__all__ = ["HostMesh", "ProcMesh", "live_meshes", "spawn_procs", "this_host"]
+__all__ = ["MAX_RANKS_PER_CPU", "WORKER_MEMORY", "HostMesh", "ProcMesh", "check_spawn",
+           "host_capacity", "live_meshes", "spawn_procs", "this_host"]
+
+#: a local mesh may have at most this many ranks per CPU of this host without ``force``
+MAX_RANKS_PER_CPU = 8
+#: bytes an idle worker holds (its resident set: the interpreter, pyzmq, cloudpickle);
+#: a local mesh whose ranks need more than the host's available memory needs ``force``
+WORKER_MEMORY = 32 << 20
 
 _live: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
 
@@ -162,12 +177,16 @@ class ProcMesh:
             all failing ranks raised alike.
         TimeoutError
             If ``timeout`` seconds passed first.
+        MeshError
+            For a ``timeout`` that is not a positive, finite number of seconds.
 
         Output the ranks print meanwhile is written to ``sys.stdout`` /
         ``sys.stderr`` live, tagged by rank.
         """
+        if timeout is not None:
+            timeout = _seconds(timeout, "timeout")
         if not show_output(req, timeout):
-            raise TimeoutError(f"no answer from ranks {req.ranks} within {timeout} s")
+            raise TimeoutError(f"no answer from {ranks_label(req.ranks)} within {timeout:g} s")
         if req.failure is not None:  # fail fast: stop what the other ranks still run
             printer = RankPrinter(write_stream)
             try:
@@ -184,7 +203,16 @@ class ProcMesh:
         return Shape({"ranks": len(ranks)}, sorted(ranks))
 
     def exec(self, code: str, timeout: float | None = None) -> ValueMesh:
-        """Run ``code`` on every rank and return the last expression's values."""
+        """Run ``code`` on every rank and return the last expression's values.
+
+        Raises
+        ------
+        MeshError
+            For a ``timeout`` that is not a positive, finite number of seconds
+            (before ``code`` runs); else as :meth:`collect`.
+        """
+        if timeout is not None:
+            timeout = _seconds(timeout, "timeout")
         return self.collect(self.run(code), timeout=timeout)
 
     def push(self, **values: Any) -> None:
@@ -264,7 +292,7 @@ class ProcMesh:
         routes to the controller, which its peers can reach whatever its host
         name resolves to); MASTER_PORT a free port there.
         """
-        setup_mesh(self.root, timeout)
+        setup_mesh(self.root, _seconds(timeout, "timeout"))
 
     # ---------------------------------------------------------------- actors
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
@@ -324,13 +352,15 @@ class ProcMesh:
             # ("all": this mesh's ranks, which a slice has fewer of than the root)
             ranks = (self.ranks if ranks.strip() in ("all", "*", "")
                      else parse_ranks(ranks, self.world_size))
-            outside = [r for r in ranks if r not in self.ranks]
+            mine = set(self.ranks)
+            outside = [r for r in ranks if r not in mine]
             if outside:
-                raise RankSpecError(f"ranks {outside} are not part of this mesh "
-                                    f"(its ranks: {self.ranks})")
+                raise RankSpecError(f"{ranks_label(outside)} {'is' if len(outside) == 1 else 'are'}"
+                                    f" not part of this mesh (its ranks: "
+                                    f"{compact_ranks(self.ranks)})")
         elif isinstance(ranks, int):
             ranks = [ranks]
-        restart_ranks(self, list(ranks), timeout)
+        restart_ranks(self, list(ranks), _seconds(timeout, "timeout"))
 
     # --------------------------------------------------------------- closing
     def stop(self, timeout: float = 5.0) -> None:
@@ -365,6 +395,14 @@ class ProcMesh:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _seconds(value: Any, name: str) -> float:
+    """``value`` as a positive, finite number of seconds, else MeshError."""
+    try:
+        return float(check_number(value, name, above=True, seconds=True))
+    except ValueError as e:
+        raise MeshError(str(e)) from None
 
 
 def show_output(req: Request, timeout: float | None = None) -> bool:
@@ -421,6 +459,7 @@ def spawn_procs(
     restart: str = "never",
     max_restarts: int = 3,
     encrypt: bool | None = None,
+    force: bool = False,
 ) -> ProcMesh:
     """Start a mesh of worker processes.
 
@@ -460,15 +499,26 @@ def spawn_procs(
         the mesh's workers at connect. Default: on for every TCP endpoint;
         turning it off beyond loopback prints a warning (messages are still
         signed).
+    force : bool
+        Start a local mesh even if it is far bigger than this host allows
+        (see :func:`host_capacity`).
 
     Returns
     -------
     ProcMesh
 
+    Every argument is checked (:func:`check_spawn`) before anything starts.
+
     Raises
     ------
     MeshError
-        For a bad shape, backend or restart policy.
+        For a bad shape, backend, restart policy, a number that is NaN,
+        infinite, negative (or zero where that means nothing), an address
+        this host cannot listen on, or (without ``force``) a local mesh far
+        bigger than this host's CPUs or memory allow.
+    SpawnInterrupted
+        (a ``KeyboardInterrupt``) on Ctrl-C while the workers start; they are
+        stopped first, and the message says how many had started.
     MeshFailure
         If a worker died while starting.
     TimeoutError
@@ -481,42 +531,46 @@ def spawn_procs(
         or ``MONARCH_MAX_MESSAGE_BYTES`` to something other than a number of
         bytes of at least 1 MiB (:mod:`monarch_kernel.transport.sockets`).
     """
-    if isinstance(shape, int):
-        shape = {"hosts": 1, "procs": shape}
-    sh = Shape(shape)
-    if dist not in (None, *DIST_BACKENDS):
-        raise MeshError(f"unknown --dist backend {dist!r}; use gloo, nccl or none")
-    if restart not in RESTART_POLICIES:
-        raise MeshError(f"unknown restart policy {restart!r}; use never or on-failure")
+    sh, la, addr = check_spawn(
+        shape, dist=dist, launcher=launcher, bind=bind, heartbeat=heartbeat, timeout=timeout,
+        launcher_options=launcher_options, telemetry_interval=telemetry_interval,
+        restart=restart, max_restarts=max_restarts, force=force)
     n = len(sh)
-    if n > 4096:
-        raise MeshError(f"{n} ranks is more than this controller supports (4096)")
-    la = get_launcher(launcher, **(launcher_options or {}))
-    ctl = _controller_for(la, bind, heartbeat, on_output, encrypt)
-    mesh_keys.register(ctl)  # this program's meshes: their actors may call each other
-    mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
     ranks = list(range(n))
-    ctl.expect(ranks, local=la.local)
-    spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, env=ctl.launch_env(ranks),
-                      heartbeat=heartbeat, telemetry_interval=telemetry_interval,
-                      curve_server_key=ctl.curve_public_key, down_address=ctl.down_address)
-    mesh.spec = spec
-    ctl.poll_exits = la.poll
-    ctl.leftover_output = la.leftover_output
-    if hasattr(la, "on_pipes"):  # local workers: their output pipes are read here
-        la.on_pipes = ctl.adopt_pipes
-    if hasattr(la, "on_lane") and la.local and ctl.use_lanes:  # ... and their messages
-        la.on_lane = ctl.adopt_lane
-    la.attach(ctl)
+    ctl: Controller | None = None
+    mesh: ProcMesh | None = None
     try:
-        la.launch(spec)
+        ctl = _controller_for(la, addr, heartbeat, on_output, encrypt)
+        mesh_keys.register(ctl)  # this program's meshes: their actors may call each other
+        mesh = ProcMesh(ctl, la, sh, dist if dist != "none" else None)
+        ctl.expect(ranks, local=la.local)
+        spec = LaunchSpec(ctl.address, ctl.key, sh.dims, ranks, env=ctl.launch_env(ranks),
+                          heartbeat=heartbeat, telemetry_interval=telemetry_interval,
+                          curve_server_key=ctl.curve_public_key, down_address=ctl.down_address)
+        mesh.spec = spec
+        ctl.poll_exits = la.poll
+        ctl.leftover_output = la.leftover_output
+        if hasattr(la, "on_pipes"):  # local workers: their output pipes are read here
+            la.on_pipes = ctl.adopt_pipes
+        if hasattr(la, "on_lane") and la.local and ctl.use_lanes:  # ... and their messages
+            la.on_lane = ctl.adopt_lane
+        la.attach(ctl)
+        with DeferredSigint():  # (Ctrl-C after the processes start: each one is recorded)
+            la.launch(spec)
         la.wait_started(timeout)
         ctl.wait_ready(ranks, timeout)
         mesh_keys.introduce(ctl, ranks)  # (before anything else reaches them)
         if mesh.dist:
             mesh.setup_dist(timeout)
+    except KeyboardInterrupt:
+        started, left = _abandon(mesh, ctl, la)
+        what = "torch.distributed set-up" if started == n and mesh and mesh.dist else "spawn"
+        raise SpawnInterrupted(
+            f"{what} interrupted: {started} of {n} rank{'s' if n != 1 else ''} had started; "
+            + ("nothing is left running" if not left else
+               f"worker processes {', '.join(map(str, left))} did not exit")) from None
     except BaseException:
-        mesh.stop(timeout=2)
+        _abandon(mesh, ctl, la)
         raise
     if restart == "on-failure":
         mesh.supervisor = Supervisor(mesh, max_restarts)
@@ -525,15 +579,161 @@ def spawn_procs(
     return mesh
 
 
-def _controller_for(la: Launcher, bind: str | None, heartbeat: float, on_output: Any,
-                    encrypt: bool | None = None) -> Controller:
-    """A Controller bound where ``la``'s workers can reach it (see spawn_procs)."""
+def _abandon(mesh: ProcMesh | None, ctl: Controller | None, la: Launcher
+             ) -> tuple[int, list[int]]:
+    """Stop what a failed or interrupted spawn started (a second Ctrl-C meanwhile is
+    ignored: nothing may be left half-stopped); the ranks that had started (said
+    hello), and the pids of local workers still alive after it."""
+    started = 0
+    left: list[int] = []
+    try:
+        with DeferredSigint():
+            if ctl is not None:
+                starting = [r for r, i in ctl.ranks.items() if i.state == "starting"]
+                started = sum(1 for i in ctl.ranks.values()
+                              if i.state not in ("starting", "dead", "stopped"))
+                if la.local and starting:  # (they would not hear a stop request)
+                    la.signal(starting, signal.SIGTERM)
+            if mesh is not None:
+                mesh.stop(timeout=2)
+            else:
+                la.stop(timeout=2)
+                if ctl is not None:
+                    ctl.close()
+            if la.local:
+                left = [p.pid for p in la.placements().values() if p.pid and _alive(p.pid)]
+    except KeyboardInterrupt:  # (the second Ctrl-C, handed on at the block's end)
+        pass
+    return started, left
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether a local process ``pid`` still runs (a zombie does not)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+
+
+def check_spawn(
+    shape: dict[str, int] | int = 1,
+    *,
+    dist: str | None = None,
+    launcher: str | Launcher = "local",
+    bind: str | None = None,
+    heartbeat: float = 1.0,
+    timeout: float = 120.0,
+    launcher_options: dict[str, Any] | None = None,
+    telemetry_interval: float = 1.0,
+    restart: str = "never",
+    max_restarts: int = 3,
+    force: bool = False,
+) -> tuple[Shape, Launcher, str | None]:
+    """Check the arguments of :func:`spawn_procs` (the same names) without starting
+    anything; ``%mesh spawn`` calls it before it stops the running mesh.
+
+    Returns
+    -------
+    (Shape, Launcher, str or None)
+        The mesh's shape, its launcher, and the address the controller will bind
+        (``None``: a local mesh, on Unix sockets).
+
+    Raises
+    ------
+    MeshError
+        Naming the argument that is wrong and what it must be (see :func:`spawn_procs`).
+    """
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = {"hosts": 1, "procs": shape}
+    if not isinstance(shape, dict):
+        raise MeshError(f"a mesh shape is a number of ranks or a dict like {{'procs': 4}}; "
+                        f"got {shape!r}")
+    sh = Shape(shape)
+    if dist not in (None, *DIST_BACKENDS):
+        raise MeshError(f"unknown --dist backend {dist!r}; use gloo, nccl or none")
+    if restart not in RESTART_POLICIES:
+        raise MeshError(f"unknown restart policy {restart!r}; use never or on-failure")
+    try:
+        check_number(heartbeat, "heartbeat", above=True, seconds=True)
+        check_number(timeout, "timeout", above=True, seconds=True)
+        check_number(telemetry_interval, "telemetry_interval", seconds=True, zero="off")
+        check_number(max_restarts, "max_restarts", integer=True)
+    except ValueError as e:
+        raise MeshError(str(e)) from None
+    n = len(sh)
+    if n > 4096:
+        raise MeshError(f"{n} ranks is more than this controller supports (4096)")
+    try:
+        la = get_launcher(launcher, **(launcher_options or {}))
+    except TypeError as e:
+        raise MeshError(f"bad launcher options: {e}") from None
     try:
         addr = resolve_bind(bind) if bind else None if la.local else la.default_bind()
     except ValueError as e:
         raise MeshError(str(e)) from None
-    # (no address: a local mesh, on Unix sockets only this user can connect; any TCP
-    # endpoint is encrypted and admits only the mesh's workers, unless encrypt=False)
+    if addr is not None:
+        _check_bindable(addr, bind)
+    if la.local and not force:
+        problem = host_capacity(n)
+        if problem:
+            raise MeshError(f"{problem}; spawn fewer ranks, or start them anyway with "
+                            "force=True (%mesh spawn ... --force)")
+    return sh, la, addr
+
+
+def _check_bindable(addr: str, bind: str | None) -> None:
+    """Raise MeshError unless this host can listen on ``addr`` (a TCP port of it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, 0))
+        except OSError as e:
+            raise MeshError(
+                f"cannot listen on {bind or addr!r} ({addr}): {e.strerror or e}; give an "
+                "address of this host (e.g. --bind 127.0.0.1), an interface name (eth0) "
+                "or 0.0.0.0") from None
+
+
+def host_capacity(n: int) -> str:
+    """Why ``n`` local ranks are far more than this host allows, or ``""``.
+
+    The rule: more than :data:`MAX_RANKS_PER_CPU` ranks per CPU this process may
+    run on, or ``n`` x :data:`WORKER_MEMORY` (an idle worker's resident memory)
+    above the memory available now.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if n > MAX_RANKS_PER_CPU * cpus:
+        return (f"{n} ranks is more than {MAX_RANKS_PER_CPU} per CPU of this host "
+                f"({cpus} CPU{'s' if cpus != 1 else ''}: at most "
+                f"{MAX_RANKS_PER_CPU * cpus} ranks)")
+    try:
+        import psutil  # (a dependency; imported here: only spawning needs it)
+
+        available = int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - no figure: no memory rule
+        return ""
+    if n * WORKER_MEMORY > available:
+        return (f"{n} ranks need about {n * WORKER_MEMORY / 2**30:.1f} GiB "
+                f"({WORKER_MEMORY >> 20} MiB each when idle) but this host has "
+                f"{available / 2**30:.1f} GiB available")
+    return ""
+
+
+def _controller_for(la: Launcher, addr: str | None, heartbeat: float, on_output: Any,
+                    encrypt: bool | None = None) -> Controller:
+    """A Controller bound to ``addr``, where ``la``'s workers can reach it (see
+    spawn_procs); ``None``: a local mesh, on Unix sockets only this user can
+    connect to. Any TCP endpoint is encrypted and admits only the mesh's
+    workers, unless ``encrypt=False``."""
     ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
     if addr is None:
         return ctl

@@ -280,6 +280,15 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
     """Parse a rank spec: ``"0"``, ``"1,3"``, ``"0:2"`` (half-open), ``"all"``,
     or mixtures like ``"0:2,5"``.
 
+    Ranges are checked against ``world_size`` before any rank of them is made,
+    so the work and memory are bounded by the mesh's size, whatever the spec
+    says (``0:1000000000`` is refused at once).
+
+    Returns
+    -------
+    list of int
+        Each rank once, in the order the spec names them.
+
     Raises
     ------
     RankSpecError
@@ -288,7 +297,9 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
     spec = spec.strip()
     if spec in ("all", "*", ""):
         return list(range(world_size))
+    last = world_size - 1
     out: list[int] = []
+    seen: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
         try:
@@ -298,25 +309,24 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
                 hi = int(b) if b.strip() else world_size
             else:
                 lo = int(part)
-                hi = None
+                hi = lo + 1
         except ValueError:
             raise RankSpecError(
                 f"bad rank spec {spec!r}; use a rank (2), a list (1,3) or a range (0:2)"
             ) from None
-        if hi is None:
-            rng = [lo]
-        elif lo >= hi:
+        if not 0 <= lo <= last:
+            raise RankSpecError(f"rank {lo} does not exist: this mesh has ranks 0 to {last}")
+        if ":" in part and lo >= hi:
             raise RankSpecError(
                 f"rank range {part!r} is empty; write START:STOP with START < STOP "
                 f"(STOP excluded), e.g. 0:{world_size}"
             )
-        else:
-            rng = list(range(lo, hi))
-        for r in rng:
-            if not 0 <= r < world_size:
-                raise RankSpecError(
-                    f"rank {r} does not exist: this mesh has ranks 0 to {world_size - 1}"
-                )
-            if r not in out:
+        if hi - 1 > last:
+            raise RankSpecError(
+                f"rank range {part!r} runs past the last rank: this mesh has ranks 0 to "
+                f"{last} (write e.g. {lo}:{world_size})")
+        for r in range(lo, hi):  # (at most world_size ranks: checked above)
+            if r not in seen:
+                seen.add(r)
                 out.append(r)
     return out

@@ -94,7 +94,8 @@ def _relaunch(root: ProcMesh, ranks: list[int], timeout: float,
                 time.sleep(0.05)
             stuck = [r for r in others if ctl.ranks[r].state == "busy"]
             if stuck:
-                (notify or _stderr)(f"ranks {stuck} are stuck in a torch.distributed "
+                (notify or _stderr)(f"{ranks_label(stuck)} {'is' if len(stuck) == 1 else 'are'} "
+                                    "stuck in a torch.distributed "
                                     "collective; restarting them too")
                 ranks = sorted(set(ranks) | set(stuck))
     la.forget(ranks)
@@ -177,8 +178,9 @@ def _watch_stuck(root: ProcMesh, running: list[int], grace: float) -> None:
             time.sleep(0.05)
         stuck = [r for r in running if ctl.ranks[r].state == "busy"]
         if stuck and not root._stopped and root.ready.is_set():
-            _stderr(f"ranks {stuck} were stuck in a torch.distributed collective with a dead "
-                    f"rank and were stopped; run  %mesh restart all  (or mesh.restart())")
+            were = "was" if len(stuck) == 1 else "were"
+            _stderr(f"{ranks_label(stuck)} {were} stuck in a torch.distributed collective with "
+                    f"a dead rank and {were} stopped; run  %mesh restart all  (or mesh.restart())")
             root.launcher.signal(stuck, signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="monarch-abort").start()
@@ -242,7 +244,7 @@ class Supervisor:
             self._notify(f"{ranks_label(done)} restarted")
         except Exception as e:  # noqa: BLE001 - reported, and the ranks stay dead
             if not root._stopped:
-                self._notify(f"restarting ranks {ranks} failed: {e}")
+                self._notify(f"restarting {ranks_label(ranks)} failed: {e}")
                 for r in ranks:
                     root.controller.mark_dead(r, None)
         finally:

@@ -45,7 +45,7 @@ from monarch_kernel.actor.actor_mesh import on_a_rank
 from monarch_kernel.actor.adverbs import set_rref
 from monarch_kernel.actor.replies import raise_failures
 from monarch_kernel.actor.rref import note_pickled
-from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.errors import MeshError, MeshFailure, ranks_label
 from monarch_kernel.mesh.shape import Shape, ValueMesh
 from monarch_kernel.tensors.store import REDUCE_OPS, group_ranks, resolve, set_controller_rebuild
 from monarch_kernel.wire.messages import Free
@@ -275,8 +275,9 @@ class Ref:
         for r in self.ranks:
             missing = [g for g in group_ranks(dims, r, over) if g not in mine]
             if missing:
-                raise MeshError(f"{what} over {over} needs ranks {missing}, which this handle "
-                                f"does not live on (it lives on {self.ranks})")
+                raise MeshError(f"{what} over {over} needs {ranks_label(missing)}, which this "
+                                f"handle does not live on (it lives on "
+                                f"{ranks_label(self.ranks)})")
 
     # ------------------------------------------------------------- metadata
     def meta(self, preview: int = 0) -> ValueMesh:
@@ -520,10 +521,11 @@ def bind_refs(procmesh: Any, ranks: list[int], code: str, user_ns: dict[str, Any
         if r._entry.root is not procmesh.root:
             raise MeshError(f"{name!r} is a handle to values of another (or a stopped) mesh; "
                             f"make a new one (%mesh ref NAME) or  del {name}")
-        missing = [k for k in ranks if k not in set(r.ranks)]
+        held = set(r.ranks)
+        missing = [k for k in ranks if k not in held]
         if missing:
-            raise MeshError(f"{name!r} is a handle to values on ranks {r.ranks}; this cell "
-                            f"also runs on ranks {missing} (use %%mesh --ranks)")
+            raise MeshError(f"{name!r} is a handle to values on {ranks_label(r.ranks)}; this "
+                            f"cell also runs on {ranks_label(missing)} (use %%mesh --ranks)")
         r._check(ranks)
     procmesh.collect(procmesh.request("push", refs, ranks), ranks)
     return list(refs)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.actor.rref import set_result_keeper
-from monarch_kernel.errors import MeshError, MeshFailure
+from monarch_kernel.errors import MeshError, MeshFailure, ranks_label
 from monarch_kernel.wire.messages import Ref
 from monarch_kernel.worker import handlers
 from monarch_kernel.worker.worker import current_worker
@@ -135,7 +135,7 @@ def _get(id: str, label: str = "", ranks: list[int] | None = None) -> Any:
     rank = _current_rank()
     what = f"handle {label!r}" if label else f"handle {id}"
     if ranks is not None and rank not in ranks:
-        raise MeshError(f"{what} has no value on rank {rank}: it lives on ranks {ranks}; "
+        raise MeshError(f"{what} has no value on rank {rank}: it lives on {ranks_label(ranks)}; "
                         "use it only there (e.g. %%mesh --ranks)")
     raise MeshFailure(f"rank {rank} no longer holds the value of {what} (it was freed, or "
                       "the rank was restarted)", rank=rank)

@@ -195,7 +195,37 @@ class KernelSession:
                 idle = msg["content"]["execution_state"] == "idle"
                 continue
             res.messages.append((time.monotonic(), msg))
+        if res.reply.get("content", {}).get("status") == "error":
+            self.sync_shell(max(deadline - time.monotonic(), 10.0))
         return res
+
+    def sync_shell(self, timeout: float = 10) -> None:
+        """Make a round trip through the shell channel (a ``kernel_info`` request).
+
+        After an error reply, ipykernel aborts the execute requests that reach it
+        before it has reset its abort flag (``stop_on_error``). ipykernel 6 queues
+        that reset only after the idle status is out, so an execute request sent
+        at the idle status can reach the kernel first and come back ``aborted``;
+        once a later request has had its reply, the reset is queued ahead of
+        anything sent after. :meth:`execute` calls this after an error reply.
+
+        Raises
+        ------
+        TimeoutError
+            If the reply does not come within ``timeout`` seconds.
+        """
+        msg_id = self.kc.kernel_info()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no kernel_info reply within {timeout} s")
+            try:
+                rep = self.kc.get_shell_msg(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if rep["parent_header"].get("msg_id") == msg_id:
+                return
 
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
@@ -206,7 +236,7 @@ class KernelSession:
         After an error reply, ipykernel aborts the execute requests that reach
         it before it has reset its abort flag (``stop_on_error``); one sent as
         soon as the reply came can lose that race, one sent after this cannot
-        in practice (the reset is queued before the idle status goes out).
+        (this ends with :meth:`sync_shell`, after which the reset is queued).
 
         Raises
         ------
@@ -224,6 +254,7 @@ class KernelSession:
                 continue
             if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
                     and msg["content"]["execution_state"] == "idle"):
+                self.sync_shell(max(deadline - time.monotonic(), 10.0))
                 return
 
     def shutdown(self) -> None:

@@ -54,7 +54,9 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Dict
 
+from monarch_kernel.errors import compact_ranks
 from monarch_kernel.ui.status import fmt_bytes, fmt_pct, gpu_texts, state_text
+from monarch_kernel.util.numbers import check_number
 
 __all__ = ["Dashboard", "grid_shape", "heatmap_svg", "sparkline_svg"]
 
@@ -149,18 +151,6 @@ def heatmap_svg(values: list[float | None], dead: list[bool], rows: int, cols: i
     return (f'<div style="display:inline-block;margin-right:12px"><div style="font-size:11px">'
             f'{html.escape(title)}</div><svg xmlns="http://www.w3.org/2000/svg" width="{w}" '
             f'height="{h}">{body}</svg></div>')
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, ranks = [], sorted(ranks)
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def _badge(text: str) -> str:
@@ -258,7 +248,8 @@ class Dashboard(widgets.VBox):
     Raises
     ------
     ValueError
-        For a non-positive ``interval`` or ``history``, or an unknown ``layout``.
+        For an ``interval`` or ``history`` that is not a positive, finite number of
+        seconds, or an unknown ``layout``.
     """
 
     #: the figures shown, readable by any frontend (see the module docstring)
@@ -266,10 +257,8 @@ class Dashboard(widgets.VBox):
 
     def __init__(self, mesh: Any, interval: float = 1.0, history: float = 60.0,
                  layout: str = "auto", max_rows: int = MAX_ROWS) -> None:
-        if not interval > 0:
-            raise ValueError(f"dashboard interval must be > 0 seconds, not {interval!r}")
-        if not history > 0:
-            raise ValueError(f"dashboard history must be > 0 seconds, not {history!r}")
+        check_number(interval, "dashboard interval", above=True, seconds=True)
+        check_number(history, "dashboard history", above=True, seconds=True)
         if layout not in ("auto", "rows", "heatmap"):
             raise ValueError(f"dashboard layout {layout!r} is unknown; use auto, rows or heatmap")
         super().__init__(layout=widgets.Layout(padding="4px"))
@@ -459,7 +448,8 @@ class Dashboard(widgets.VBox):
             self.header.value = (
                 f'<div style="font-size:12px"><b>mesh</b> {html.escape(str(self.dims))} &middot; '
                 f"{len(self.ranks)} ranks, {live} reporting"
-                + (f', <span style="color:#b71c1c">dead: {_ranges(dead)}</span>' if dead else "")
+                + (f', <span style="color:#b71c1c">dead: {compact_ranks(dead)}</span>'
+                   if dead else "")
                 + f" &middot; {time.strftime('%H:%M:%S')} ({status})"
                 + (f' &middot; <span style="color:{CPU_COLOR}">cpu</span> / '
                    f'<span style="color:{MEM_COLOR}">memory</span> over the last '
@@ -529,7 +519,7 @@ class Dashboard(widgets.VBox):
         self.summary.value = (
             '<div style="font-size:12px">' + ", ".join(
                 f"{n} {html.escape(s)}" for s, n in sorted(states.items()))
-            + (f' &middot; <span style="color:#b71c1c">dead: {_ranges(dead_ranks)}</span>'
+            + (f' &middot; <span style="color:#b71c1c">dead: {compact_ranks(dead_ranks)}</span>'
                if dead_ranks else "")
             + (f" &middot; cpu mean {fmt_pct(mean)}, busiest: " + ", ".join(
                 f"r{r} {fmt_pct(live[r]['cpu'])}" for r in hot) if live else "") + "</div>")

@@ -27,7 +27,7 @@ def test_distributed_tensors_notebook_matches_single_process():
                 texts.append(out["data"].get("text/plain", ""))
     joined = "".join(texts)
     assert "tensor-parallel output matches the single-process model" in joined, joined[-3000:]
-    assert "[0:4] h (Shard(dim=1),)  partial (Partial(sum),)  y (Replicate(),)" in joined
+    assert "[0-3] h (Shard(dim=1),)  partial (Partial(sum),)  y (Replicate(),)" in joined
     assert "DTensor[Shard(dim=0)] global 32x16" in joined  # %mesh show of the sharded weight
     assert "w is w1 -> True, local shard (8, 16)" in joined  # a handle in a cell: the rank's own
     assert "the doubled shards are gone from every rank" in joined

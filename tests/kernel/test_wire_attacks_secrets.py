@@ -89,6 +89,12 @@ def test_kernel_connection_file_is_0600(kernel):
     assert stat.S_IMODE(os.stat(kernel.km.connection_file).st_mode) == 0o600
 
 
+def _tcp_connections(proc: psutil.Process) -> list:
+    """``proc``'s TCP sockets (``net_connections``; psutil before 6.0 names it ``connections``)."""
+    method = getattr(proc, "net_connections", None) or proc.connections
+    return method(kind="tcp")
+
+
 def test_a_local_mesh_binds_unix_sockets_in_a_private_directory(mesh):
     ctl = mesh.controller
     assert ctl.address.startswith("ipc://") and ctl.down_address.startswith("ipc://")
@@ -96,7 +102,7 @@ def test_a_local_mesh_binds_unix_sockets_in_a_private_directory(mesh):
     assert stat.S_IMODE(os.stat(where).st_mode) == 0o700
     # no worker listens on TCP either (peer sockets for actors)
     for pl in mesh.launcher.placements().values():
-        assert not [c for c in psutil.Process(pl.pid).net_connections(kind="tcp")
+        assert not [c for c in _tcp_connections(psutil.Process(pl.pid))
                     if c.status == psutil.CONN_LISTEN]
 
 
@@ -265,7 +271,7 @@ def test_wildcard_bind_listens_everywhere_encrypted():
     try:
         ctl = m.controller
         port = int(ctl.address.rsplit(":", 1)[1])
-        listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+        listening = [c.laddr.ip for c in _tcp_connections(psutil.Process())
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
         assert listening == ["0.0.0.0"]
         assert ctl.curve_public_key is not None

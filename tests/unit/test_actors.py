@@ -394,7 +394,7 @@ def test_an_error_let_through_its_own_rank_is_labelled_once() -> None:
     e._message = "rank 0: x"  # (from rank 0): the way it came is kept
     assert str(e) == "rank 1: rank 0: x"
     e.ranks = [1, 2]
-    assert str(e) == "ranks 1:3: rank 0: x"
+    assert str(e) == "ranks 1, 2: rank 0: x"
 
 
 def test_exceptions_keep_their_type(counters):

@@ -34,8 +34,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _tcp_listening(pid: int) -> list:
-    return [c.laddr for c in psutil.Process(pid).net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN]
+    proc = psutil.Process(pid)
+    # psutil before 6.0 names it connections
+    method = getattr(proc, "net_connections", None) or proc.connections
+    return [c.laddr for c in method(kind="tcp") if c.status == psutil.CONN_LISTEN]
 
 
 def test_a_local_mesh_listens_on_no_tcp_port():

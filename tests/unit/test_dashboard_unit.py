@@ -8,9 +8,9 @@ import types
 import pytest
 
 from monarch_kernel.controller.controller import RankInfo
+from monarch_kernel.errors import compact_ranks
 from monarch_kernel.mesh.shape import Shape
 from monarch_kernel.testing.kernel import wait_for
-from monarch_kernel.ui import dashboard as dmod
 from monarch_kernel.ui.dashboard import Dashboard, grid_shape, heatmap_svg, sparkline_svg
 from monarch_kernel.ui.status import StatusTable, figures, fmt_bytes, fmt_pct, gpu_texts, state_text
 
@@ -192,7 +192,7 @@ def test_drawing_helpers():
     assert "0.0,25.0" in svg and "120.0,1.0" in svg  # oldest at the left/bottom, newest top right
     hm = heatmap_svg([0.0, 0.5, None, 1.0], [False, False, False, True], 2, 2, "cpu", "CPU")
     assert hm.count("<path") == 4 and 'fill="#212121"' in hm and 'fill="#e0e0e0"' in hm
-    assert dmod._ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert compact_ranks([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9, 10"
 
 
 def test_status_table_columns():

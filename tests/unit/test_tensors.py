@@ -122,7 +122,7 @@ def test_device_mesh_2x2_matches_the_mesh_and_its_slices():
             assert v.item() == sum(q for q in (0, 1, 2, 3) if q % 2 == p["procs"])
         both = r.reduce(("hosts", "procs"), "max").gather()
         assert [v.item() for v in both] == [3.0] * 4
-        with pytest.raises(MeshError, match="needs ranks"):
+        with pytest.raises(MeshError, match="needs rank 2, which this handle does not"):
             r.slice(hosts=0).reduce("hosts")
     finally:
         m.stop()
