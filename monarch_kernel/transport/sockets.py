@@ -55,7 +55,7 @@ from zmq.utils import z85
 
 from monarch_kernel.errors import TransportError
 
-__all__ = ["DOWN_MAX_MESSAGE", "MAX_MESSAGE_ENV", "FdPoller", "KeyGate", "Outbox",
+__all__ = ["DOWN_MAX_MESSAGE", "MAX_MESSAGE_ENV", "RECEIVE_QUEUE", "FdPoller", "KeyGate", "Outbox",
            "bind_router", "connect_dealer", "curve_client_keypair", "drain", "endpoint_host",
            "has_input", "inproc_pair", "is_ipc", "is_loopback", "max_message_bytes",
            "private_dir", "remove_private_dir", "send_frames"]
@@ -289,6 +289,11 @@ class KeyGate:
             self._auth.stop()
 
 
+#: messages a ROUTER of :func:`bind_router` queues per connection before it stops
+#: reading that connection (ZeroMQ's receive high-water mark)
+RECEIVE_QUEUE = 4096
+
+
 def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
                 curve_secret_key: bytes | None = None, *, ipc_dir: str | None = None,
                 name: str = "r", max_message: int | None = None) -> tuple[zmq.Socket, str]:
@@ -316,9 +321,13 @@ def bind_router(ctx: zmq.Context, host: str = "127.0.0.1",
     sock.linger = 0
     _bounded(sock, max_message)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    # no high-water mark: a burst of pipelined calls must neither be dropped nor block
-    # the I/O thread (which would stop it draining replies: a deadlock)
-    sock.sndhwm = sock.rcvhwm = 0
+    # no send high-water mark: a burst of pipelined calls must neither be dropped nor
+    # block the I/O thread (which would stop it draining replies: a deadlock). What a
+    # peer sends is queued here up to RECEIVE_QUEUE messages per connection; beyond it
+    # ZeroMQ stops reading that connection, so the sender queues (a worker's DEALER has
+    # no limit, so it never blocks) and a flood costs this process bounded memory.
+    sock.sndhwm = 0
+    sock.rcvhwm = RECEIVE_QUEUE
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if curve_secret_key is not None:
         sock.curve_secretkey = curve_secret_key

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 import zmq
 from wire_attack_helpers import count_drops
@@ -35,6 +36,10 @@ pytestmark = pytest.mark.timeout(240)
 FLOOD_MIN = 20_000
 #: seconds it goes on at least: longer than a worker's heartbeat timeout (6 s)
 FLOOD_S = 8.0
+#: what the controller's process may grow by during the flood (its sockets queue at
+#: most RECEIVE_QUEUE messages per connection; the rest waits in the flooder)
+MEMORY_BOUND = 100 * 2**20
+
 #: messages a second it sends at most (as fast as it can, up to this: the controller's
 #: socket queues what it has not read yet, and the test waits until it read them all)
 FLOOD_RATE = 10_000
@@ -69,10 +74,11 @@ FLOODER = textwrap.dedent('''
 ''')
 
 
-def _flood(address: str, server_key: bytes | None) -> subprocess.Popen:
+def _flood(address: str, server_key: bytes | None, seconds: float = FLOOD_S,
+           least: int = FLOOD_MIN, rate: int = FLOOD_RATE) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", FLOODER, address, server_key.decode() if server_key else "-",
-         str(FLOOD_S), str(FLOOD_MIN), str(FLOOD_RATE)], stdout=subprocess.PIPE,
+         str(seconds), str(least), str(rate)], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True)
 
@@ -89,17 +95,20 @@ def test_a_flood_of_bad_messages_neither_stops_heartbeats_nor_fills_the_log(lane
         assert list(mesh.collect(mesh.run("rank")).values()) == [0, 1]
         pids = {r: ctl.ranks[r].pid for r in (0, 1)}
         before = ctl.drops.total
+        me = psutil.Process()
+        rss0 = peak = me.memory_info().rss
         start = time.monotonic()
         proc = _flood(ctl.address, ctl.curve_public_key)
         calls = 0
         silent = 0.0  # the longest the controller went without a word from a rank
 
         def busy() -> bool:  # calls go on throughout the flood, and until it is all read
-            nonlocal calls, silent
+            nonlocal calls, silent, peak
             assert list(mesh.collect(mesh.run("rank * 10"), timeout=30).values()) == [0, 10]
             calls += 1
             now = time.monotonic()
             silent = max(silent, *(now - ctl.ranks[r].last_heard for r in (0, 1)))
+            peak = max(peak, me.memory_info().rss)
             time.sleep(0.05)
             return proc.poll() is not None and ctl.drops.total - before >= sent
 
@@ -113,6 +122,8 @@ def test_a_flood_of_bad_messages_neither_stops_heartbeats_nor_fills_the_log(lane
         # (without heartbeats from the controller, a rank leaves after 6 s; the controller
         # hears each rank every second, through the flooded socket too without lanes)
         assert silent < 6.0, silent
+        # the flood costs the controller bounded memory (it queued in the flooder)
+        assert peak - rss0 < MEMORY_BOUND, (rss0 >> 20, peak >> 20)
         assert ctl.drops.total - before == sent
         assert ctl.drops.by_reason["bad signature"] >= sent
         # heartbeats went on: no rank left, none was replaced, calls still run
@@ -127,6 +138,39 @@ def test_a_flood_of_bad_messages_neither_stops_heartbeats_nor_fills_the_log(lane
         assert len(lines) <= 3 + (time.monotonic() - start) / 5 + 2, lines
         summaries = [ln for ln in lines if " more messages from 1 peer in the last " in ln]
         assert summaries and all("bad signature" in ln for ln in summaries), lines
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        mesh.stop()
+
+
+def test_a_flood_faster_than_the_controller_refuses_costs_it_bounded_memory():
+    """Sent as fast as the flooder can (faster than the controller refuses), the
+    messages wait in the flooder, not in the controller."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MONARCH_LANES", "0")
+        mesh = spawn_procs(1)
+    ctl = mesh.controller
+    proc = None
+    try:
+        me = psutil.Process()
+        rss0 = peak = me.memory_info().rss
+        proc = _flood(ctl.address, ctl.curve_public_key, seconds=3.0, least=0, rate=10**9)
+
+        def done() -> bool:
+            nonlocal peak
+            peak = max(peak, me.memory_info().rss)
+            return proc.poll() is not None
+
+        wait_for(done, 180, what="the flooder to send everything")
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        sent = int(out.split()[-1])
+        wait_for(lambda: done() or ctl.drops.total >= sent, 180,
+                 what=f"the controller to refuse all {sent} messages")
+        assert peak - rss0 < MEMORY_BOUND, (sent, rss0 >> 20, peak >> 20)
+        assert list(mesh.collect(mesh.run("rank"), timeout=30).values()) == [0]
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
