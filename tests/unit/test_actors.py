@@ -575,7 +575,7 @@ def test_dead_rank_raises_mesh_failure():
 def test_encrypted_mesh_encrypts_peer_sockets_too():
     from monarch_kernel.mesh.procmesh import spawn_procs
 
-    with spawn_procs(2, encrypt=True) as pm:
+    with spawn_procs(2, encrypt=True, bind="127.0.0.1") as pm:  # (TCP: a local mesh is ipc)
         mine = {p.pid for p in pm.launcher.placements().values()}
         c = pm.slice(procs=1).spawn("target", Counter)
         relay = pm.slice(procs=0).spawn("relay", Relay)
