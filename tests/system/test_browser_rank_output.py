@@ -166,11 +166,9 @@ def test_rank_output_colours_and_filter_in_browser(tmp_path: Path, app: str):
                                        timeout=90_000)
                 _dismiss_dialogs(page)
                 # the kernel has answered kernel_info (the extension announces then)
-                page.wait_for_function(
-                    "() => { const e = document.querySelector("
-                    "'.jp-Notebook-ExecutionIndicator'); return !e || "
-                    "e.dataset.status === 'idle'; }", timeout=90_000)
-                page.wait_for_timeout(500)
+                # the extension told the kernel, and the kernel acknowledged
+                page.wait_for_selector('.jp-NotebookPanel[data-monarch-rankstream="on"]',
+                                       state="attached", timeout=60_000)
                 _run_all(page)
                 page.wait_for_selector(".jp-monarch-rs-bar.jp-mod-done >> nth=3", timeout=90_000)
                 page.wait_for_selector('.jp-monarch-rs-line[data-ranks="0,1,2,3"] >> '
@@ -227,6 +225,23 @@ def test_rank_output_colours_and_filter_in_browser(tmp_path: Path, app: str):
                 page.locator(".jp-monarch-rs-toolbar .jp-monarch-rs-chip[data-rank='all']") \
                     .first.click()
                 assert len(_visible_ranks(page)) > len(shown)
+
+                if app == "jupyterlab":
+                    # a restarted kernel is told again (its comms went with the old process):
+                    # the cell's new output is the renderer's again (a new cell id)
+                    old = out.get_attribute("data-cell")
+                    page.get_by_role("menuitem", name="Kernel", exact=True).click()
+                    page.locator(".lm-Menu-itemLabel", has_text="Restart Kernel").first.click()
+                    page.locator(".jp-Dialog .jp-mod-accept").first.click(timeout=10_000)
+                    page.wait_for_selector('.jp-NotebookPanel[data-monarch-rankstream="on"]',
+                                           state="attached", timeout=60_000)
+                    _run_all(page)
+                    page.wait_for_function(
+                        "old => [...document.querySelectorAll('.jp-monarch-rankstream')].some("
+                        "e => e.dataset.cell !== old && "
+                        "e.querySelectorAll('.jp-monarch-rs-bar.jp-mod-done').length === 4)",
+                        arg=old, timeout=90_000)
+                    assert not [t for t in streams.all_inner_texts() if "step 0" in t]
             except BaseException:
                 page.screenshot(path=str(ARTIFACTS / f"{app}-failure.png"), full_page=True)
                 (ARTIFACTS / f"{app}-console.txt").write_text("\n".join(console))
