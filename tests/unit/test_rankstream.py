@@ -153,3 +153,19 @@ def test_channel_enabled_only_while_a_frontend_comm_is_open():
     c.close_cb({})
     assert not ch.enabled
     assert not RankStreamChannel(None).enabled
+
+
+def test_seal_puts_later_lines_below_what_the_kernel_shows_in_between():
+    rec = Recorder()
+    shown = RankStreamDisplay(rec, [0, 1])
+    shown.lines([("stdout", [0], "before")])
+    shown.seal()  # e.g. a rank's display() comes now
+    rec.msgs.append({"data": {MIME: {"lines": []}}, "id": "a-rank-display", "update": False})
+    shown.lines([("stdout", [1], "after")])
+    shown.close()
+    ids = [m["id"] for m in rec.msgs]
+    first, other, last = ids[0], ids.index("a-rank-display"), ids[-1]
+    assert other == 1 and first != last
+    assert rec.msgs[-1]["data"][MIME]["lines"] == [{"ranks": [1], "stream": "stdout",
+                                                    "text": "after"}]
+    assert rec.msgs[-1]["update"] is False  # a new display, below the rank's
