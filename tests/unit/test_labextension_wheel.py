@@ -12,6 +12,7 @@ Skips where the extension has not been built (no Node here), except in CI (CI=tr
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -58,6 +59,14 @@ def _setuptools_builds_wheels() -> bool:
     return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
 
 
+def _installed_record() -> str | None:
+    """The RECORD of the running environment's monarch-kernel (None: not installed)."""
+    try:
+        return importlib.metadata.distribution("monarch-kernel").read_text("RECORD")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def test_wheel_ships_prebuilt_extension_and_installs_without_node(tmp_path):
     src = tmp_path / "src"
     _copy_project(src)
@@ -90,11 +99,16 @@ def test_wheel_ships_prebuilt_extension_and_installs_without_node(tmp_path):
         shim.chmod(0o755)
     env = dict(os.environ, PATH=f"{shims}:{Path(sys.executable).parent}:/usr/bin:/bin")
     target = tmp_path / "prefix"
+    running = _installed_record()
     subprocess.run(
+        # (--ignore-installed: with --prefix alone, pip first uninstalls the running
+        # environment's own monarch-kernel)
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-         "--disable-pip-version-check", "--prefix", str(target), str(wheel)],
+         "--ignore-installed", "--disable-pip-version-check", "--prefix", str(target),
+         str(wheel)],
         check=True, env=env, timeout=300)
     assert not called.exists(), f"pip install called {called.read_text()}"
+    assert _installed_record() == running, "pip changed this environment's monarch-kernel"
     installed = target / "share" / "jupyter" / "labextensions" / NAME
     meta = json.loads((installed / "package.json").read_text())
     assert meta["name"] == NAME
