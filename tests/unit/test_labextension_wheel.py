@@ -1,0 +1,126 @@
+"""The wheel carries the prebuilt JupyterLab extension, and installing it needs no Node.
+
+Builds a wheel of a copy of the project (pyproject.toml's [tool.setuptools.data-files] take
+the files extensions/build.sh wrote to extensions/monarch-jupyterlab/labextension/), checks
+that share/jupyter/labextensions/monarch-kernel-jupyterlab/ is inside, then pip-installs it
+into a throw-away prefix with node, npm and jlpm replaced by failing shims on PATH and asks
+`jupyter labextension list` about that prefix.
+
+Skips where the extension has not been built (no Node here), except in CI (CI=true), where
+.ci/run builds it first and a missing build is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXT_SRC = ROOT / "extensions" / "monarch-jupyterlab"
+BUILT = EXT_SRC / "labextension"
+NAME = "monarch-kernel-jupyterlab"
+
+if not (BUILT / "package.json").exists():
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{BUILT} is missing: .ci/run runs extensions/build.sh before the tests")
+    pytest.skip(f"extension not built ({BUILT}); run bash extensions/build.sh",
+                allow_module_level=True)
+
+
+def _copy_project(dest: Path) -> None:
+    """Copy what a wheel build reads (no .venv, node_modules or build output)."""
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "monarch_kernel", dest / "monarch_kernel",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    ext = dest / "extensions" / "monarch-jupyterlab"
+    ext.mkdir(parents=True)
+    shutil.copy2(EXT_SRC / "install.json", ext / "install.json")
+    shutil.copytree(BUILT, ext / "labextension", ignore=shutil.ignore_patterns("install.json"))
+
+
+def _setuptools_builds_wheels() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
+def _installed_record() -> str | None:
+    """The RECORD of the running environment's monarch-kernel (None: not installed)."""
+    try:
+        return importlib.metadata.distribution("monarch-kernel").read_text("RECORD")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def test_wheel_ships_prebuilt_extension_and_installs_without_node(tmp_path):
+    src = tmp_path / "src"
+    _copy_project(src)
+    wheels = tmp_path / "wheels"
+    # (this venv's setuptools when it builds wheels by itself, >= 70.1; else pip's isolated
+    # build environment, which fetches setuptools from the package index)
+    isolation = [] if _setuptools_builds_wheels() else ["--use-pep517"]
+    no_isolation = [] if isolation else ["--no-build-isolation"]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *no_isolation, *isolation,
+         "--disable-pip-version-check", "-w", str(wheels), str(src)],
+        check=True, timeout=300)
+    (wheel,) = wheels.glob("monarch_kernel-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    prefix = f"monarch_kernel-0.1.0.data/data/share/jupyter/labextensions/{NAME}/"
+    shipped = sorted(n[len(prefix):] for n in names if n.startswith(prefix))
+    assert "package.json" in shipped and "install.json" in shipped, shipped
+    static = sorted(p.name for p in (BUILT / "static").iterdir())
+    assert [f"static/{s}" for s in static] == [s for s in shipped if s.startswith("static/")]
+    assert any(s.startswith("static/remoteEntry.") for s in shipped), shipped
+
+    # Install with every Node tool replaced by a shim that fails (and leaves a mark).
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    called = tmp_path / "called"
+    for tool in ("node", "nodejs", "npm", "npx", "yarn", "jlpm"):
+        shim = shims / tool
+        shim.write_text(f"#!/bin/sh\necho {tool} >> {called}\nexit 99\n")
+        shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{shims}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    target = tmp_path / "prefix"
+    running = _installed_record()
+    subprocess.run(
+        # (--ignore-installed: with --prefix alone, pip first uninstalls the running
+        # environment's own monarch-kernel)
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+         "--ignore-installed", "--disable-pip-version-check", "--prefix", str(target),
+         str(wheel)],
+        check=True, env=env, timeout=300)
+    assert not called.exists(), f"pip install called {called.read_text()}"
+    assert _installed_record() == running, "pip changed this environment's monarch-kernel"
+    installed = target / "share" / "jupyter" / "labextensions" / NAME
+    meta = json.loads((installed / "package.json").read_text())
+    assert meta["name"] == NAME
+    assert json.loads((installed / "install.json").read_text())["packageName"] == "monarch-kernel"
+    assert sorted(p.name for p in (installed / "static").iterdir()) == static
+
+    # JupyterLab finds it there, enabled, as a prebuilt (python) extension. (Its "is a
+    # rebuild needed?" probes call jlpm and fail quietly without Node: not checked here.)
+    called.unlink(missing_ok=True)
+    listing = subprocess.run(
+        [sys.executable, "-m", "jupyterlab.labextensions", "list"],
+        env=dict(env, JUPYTER_PATH=str(target / "share" / "jupyter")),
+        capture_output=True, text=True, timeout=120)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", listing.stdout + listing.stderr)
+    assert f"{NAME} v{meta['version']} enabled OK (python, monarch-kernel)" in out, out
