@@ -125,6 +125,8 @@ class MeshMagics(Magics):
         self.kernel = kernel
         self.meshes: dict[str, ProcMesh] = {}
         self.current: str | None = None
+        self.running_cell: tuple[ProcMesh, Request, int] | None = None
+        self._last_cell: tuple[int, int] = (0, 0)
 
     # ------------------------------------------------------------ helpers
     def current_mesh(self) -> ProcMesh:
@@ -391,7 +393,12 @@ class MeshMagics(Magics):
         bind_refs(m, ranks, cell, self.ip.user_ns)  # handles used by the cell: local values
         filename, prefix = self.cell_source(cell)
         req = m.run(cell, ranks, filename=filename, prefix=prefix)
-        self.wait_cell(m, req, a.timeout)
+        #: (root mesh, request, execution count) of the %%mesh cell running now (the sidebar)
+        self.running_cell = (m.root, req, self._last_cell[0])
+        try:
+            self.wait_cell(m, req, a.timeout)
+        finally:
+            self.running_cell = None
         finish_cell(m, req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
@@ -406,7 +413,7 @@ class MeshMagics(Magics):
         does (:mod:`monarch_kernel.util.cells`). The prefix is ``""`` when the cell
         as typed cannot be found (a magic called from code)."""
         count = self._execution_count()
-        last, serial = getattr(self, "_last_cell", (None, 0))
+        last, serial = self._last_cell
         serial = serial + 1 if last == count else 1
         self._last_cell = (count, serial)
         return cell_filename(count, serial), _prefix_of(self._raw_cell(), cell)
