@@ -18,10 +18,16 @@ from collections.abc import Callable
 
 from monarch_kernel.errors import compact_ranks
 
-__all__ = ["BackgroundOutput", "RankPrinter", "write_stream"]
+__all__ = ["BackgroundOutput", "RankPrinter", "tagged_line", "write_stream"]
 
 #: a line with its end: ``\n``, ``\r\n`` or a lone ``\r`` (a progress bar's redraw)
 _LINE = re.compile(r"[^\r\n]*(?:\r\n?|\n)")
+
+
+def tagged_line(ranks: list[int], line: str) -> str:
+    """One output line as the notebook shows it: ``[2] loss 0.31\n``, ``[0-3] epoch 1\n``."""
+    tag = str(ranks[0]) if len(ranks) == 1 else compact_ranks(ranks)
+    return f"[{tag}] {line}\n"
 
 
 def write_stream(name: str, text: str) -> None:
@@ -118,12 +124,21 @@ class RankPrinter:
         unfinished line, and the finished line that ends it) so a frontend
         can show one line per rank updated in place. Without it, progress
         lines are printed once finished.
+    on_lines : callable(entries) or None
+        Receives the complete lines instead of ``write``, as a list of
+        ``(name, ranks, line)`` in the order they were printed (``ranks``: the
+        ranks that printed that line, folded; ``line`` without its ``\n``), so
+        a frontend can tell ranks apart. :func:`tagged_line` gives the text
+        ``write`` would have received.
     """
 
     def __init__(self, write: Callable[[str, str], None], fold: bool = True,
-                 on_progress: Callable[[int, str, str, bool], None] | None = None) -> None:
+                 on_progress: Callable[[int, str, str, bool], None] | None = None,
+                 on_lines: Callable[[list[tuple[str, list[int], str]]], None] | None = None,
+                 ) -> None:
         self._write = write
         self._on_progress = on_progress
+        self._on_lines = on_lines
         self._progress: dict[tuple[int, str], str] = {}
         # (rank, stream) -> the chunks of its unfinished line, joined once it ends
         self._partial: dict[tuple[int, str], list[str]] = {}
@@ -196,16 +211,22 @@ class RankPrinter:
             self._held.append((name, line, [rank]))
             if len(self._held) > 64:
                 self.flush_lines()
+        elif self._on_lines is not None:
+            self._on_lines([(name, [rank], line)])
         else:
             self._write(name, f"[{rank}] {line}\n")
 
     def flush_lines(self) -> None:
         """Write every complete line held for folding."""
         held, self._held = self._held, []
+        if not held:
+            return
+        if self._on_lines is not None:
+            self._on_lines([(name, ranks, line) for name, line, ranks in held])
+            return
         by_name: dict[str, list[str]] = {}
         for name, line, ranks in held:
-            tag = str(ranks[0]) if len(ranks) == 1 else compact_ranks(ranks)
-            by_name.setdefault(name, []).append(f"[{tag}] {line}\n")
+            by_name.setdefault(name, []).append(tagged_line(ranks, line))
         for name, lines in by_name.items():
             self._write(name, "".join(lines))
 

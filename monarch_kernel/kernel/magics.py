@@ -32,6 +32,7 @@ from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, comman
 
 # (debug_bridge also serves the calls of actors paused in pdb)
 from monarch_kernel.kernel.debug_bridge import cell_console, debug_command, finish_cell
+from monarch_kernel.kernel.rankstream import RankStreamChannel, RankStreamDisplay
 from monarch_kernel.mesh.procmesh import ProcMesh, check_spawn, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
@@ -127,6 +128,9 @@ class MeshMagics(Magics):
         self.current: str | None = None
         self.running_cell: tuple[ProcMesh, Request, int] | None = None
         self._last_cell: tuple[int, int] = (0, 0)
+        #: rank output as a MIME bundle once a frontend asks for it (comm monarch.rankstream)
+        self.rankstream = RankStreamChannel(getattr(kernel, "comm_manager", None))
+        self._rank_display: RankStreamDisplay | None = None
 
     # ------------------------------------------------------------ helpers
     def current_mesh(self) -> ProcMesh:
@@ -450,7 +454,12 @@ class MeshMagics(Magics):
     def wait_cell(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
         self._progress_cell = getattr(self, "_progress_cell", 0) + 1
-        printer = RankPrinter(write_stream, on_progress=self._progress)
+        shown = self._rank_display = self.rankstream.display(self.ip.display_pub.publish,
+                                                             list(req.ranks))
+        if shown is None:  # plain streams: every frontend shows them
+            printer = RankPrinter(write_stream, on_progress=self._progress)
+        else:  # the frontend renders rank output (it opened the comm monarch.rankstream)
+            printer = RankPrinter(write_stream, on_progress=shown.progress, on_lines=shown.lines)
         self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
         start = time.monotonic()
         interrupted: float | None = None
@@ -466,6 +475,9 @@ class MeshMagics(Magics):
             except KeyboardInterrupt:
                 interrupted = self._interrupt(m, req, interrupted, killed, reason)
         printer.close()
+        if shown is not None:
+            shown.close()
+            self._rank_display = None
         if interrupted is not None:
             if killed:
                 print(f"{ranks_label(killed)} ignored the interrupt and "
@@ -497,6 +509,8 @@ class MeshMagics(Magics):
             ev = req.next_event(0.02)  # a finished request puts ("done",): no waiting
             if ev is None:
                 printer.flush_lines()
+                if self._rank_display is not None:
+                    self._rank_display.tick()  # progress bars that waited
                 last_flush = time.monotonic()
                 if done:
                     return
@@ -521,9 +535,13 @@ class MeshMagics(Magics):
         if kind == "stream":
             _, rank, name, text = ev
             printer.feed(rank, name, text)
-        elif kind == "display":
+            return
+        printer.flush_lines()
+        shown = getattr(self, "_rank_display", None)
+        if shown is not None:
+            shown.seal()  # what follows comes below the rank output so far
+        if kind == "display":
             _, rank, content = ev
-            printer.flush_lines()
             self.publish_display(rank, content)
         elif kind == "debug" and getattr(self, "_debug_console", None) is not None:
             self._debug_console.on_event(ev)  # prompts (Pdb rank R) / (mesh-debug)
