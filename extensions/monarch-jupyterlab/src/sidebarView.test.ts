@@ -82,9 +82,9 @@ describe('renderSidebar', () => {
     expect(summaryText(mesh())).toBe('4 ranks: 1 running, 1 paused, 1 idle, 1 dead');
     // CPU and memory of live ranks; none for the dead one; no GPU column without GPUs
     const r1 = node.querySelector('.mk-sb-rank[data-rank="1"]')!;
-    expect(r1.querySelector('.mk-sb-cpu')!.textContent).toBe('10%');
-    expect(r1.querySelector('.mk-sb-mem')!.textContent).toBe('2.0 GiB');
-    expect(node.querySelector('.mk-sb-rank[data-rank="3"] .mk-sb-cpu')!.textContent).toBe('');
+    expect(r1.querySelector('.mk-sb-cpu')!.textContent).toBe('cpu 10%');
+    expect(r1.querySelector('.mk-sb-mem')!.textContent).toBe('mem 2.0 GiB');
+    expect(node.querySelector('.mk-sb-rank[data-rank="3"] .mk-sb-cpu')).toBeNull(); // dead
     expect(node.querySelector('.mk-sb-gpu')).toBeNull();
     // memory is drawn against the largest rank when there is no cgroup limit: rank 2 is the largest
     const fill = node.querySelector<HTMLElement>('.mk-sb-rank[data-rank="2"] .mk-sb-mem-bar .mk-sb-bar-fill')!;
@@ -96,8 +96,8 @@ describe('renderSidebar', () => {
     m.hosts[0].ranks[0] = row(0, { gpu_util: 55, gpu_mem: 2 * 1024 ** 3, gpu_mem_total: 80 * 1024 ** 3 });
     const node = document.createElement('div');
     renderSidebar(node, state([m]), actions());
-    expect(node.querySelector('.mk-sb-rank[data-rank="0"] .mk-sb-gpu')!.textContent).toBe('55%');
-    expect(node.querySelectorAll('.mk-sb-gpu')).toHaveLength(4);
+    expect(node.querySelector('.mk-sb-rank[data-rank="0"] .mk-sb-gpu')!.textContent).toBe('gpu 55%');
+    expect(node.querySelectorAll('.mk-sb-gpu')).toHaveLength(3); // (not for the dead rank)
   });
 
   it('calls back for restart, stop, dashboard and debug', () => {

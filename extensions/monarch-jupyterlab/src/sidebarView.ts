@@ -153,49 +153,21 @@ function rankRow(
   row: IRankRow,
   gpu: boolean,
   actions: ISidebarActions
-): HTMLTableRowElement {
-  const tr = el('tr', `mk-sb-rank mk-kind-${row.kind}`);
-  tr.dataset.rank = String(row.rank);
-  tr.dataset.kind = row.kind;
-  tr.dataset.pid = row.pid === null ? '' : String(row.pid);
-  tr.append(el('td', 'mk-sb-r', String(row.rank)));
-  const state = el('td', 'mk-sb-state');
+): HTMLElement {
+  // two lines, to fit a narrow sidebar: rank, state and buttons; then the figures as bars
+  const div = el('div', `mk-sb-rank mk-kind-${row.kind}`);
+  div.dataset.rank = String(row.rank);
+  div.dataset.kind = row.kind;
+  div.dataset.pid = row.pid === null ? '' : String(row.pid);
+  const line = el('div', 'mk-sb-line');
+  const state = el('span', 'mk-sb-state');
   state.append(el('span', 'mk-sb-dot'), el('span', 'mk-sb-state-text', row.text));
   state.title =
     row.kind === 'paused' && row.function
-      ? `${row.text}, in ${row.function} (pid ${row.pid ?? '?'})`
-      : `${row.text} (pid ${row.pid ?? '?'})`;
-  tr.append(state);
-  const live = row.cpu !== null;
-  const cpu = el('td', 'mk-sb-cpu');
-  if (live) {
-    cpu.append(bar((row.cpu ?? 0) / 100, fmtPct(row.cpu), 'mk-sb-cpu-bar', 'CPU, % of one core'));
-  }
-  tr.append(cpu);
-  const mem = el('td', 'mk-sb-mem');
-  if (live) {
-    const limit = memLimit(mesh, row);
-    const what = row.mem_limit ? "of the rank's memory limit" : 'of the largest rank';
-    mem.append(
-      bar(limit ? (row.rss ?? 0) / limit : null, fmtBytes(row.rss), 'mk-sb-mem-bar',
-        `resident memory ${fmtBytes(row.rss)}${limit ? `, ${what} (${fmtBytes(limit)})` : ''}`)
-    );
-  }
-  tr.append(mem);
-  if (gpu) {
-    const g = el('td', 'mk-sb-gpu');
-    if (row.gpu_util !== null || row.gpu_mem !== null) {
-      const memText = row.gpu_mem_total
-        ? `${fmtBytes(row.gpu_mem)} / ${fmtBytes(row.gpu_mem_total)}`
-        : fmtBytes(row.gpu_mem);
-      g.append(
-        bar((row.gpu_util ?? 0) / 100, fmtPct(row.gpu_util), 'mk-sb-gpu-bar',
-          `GPU utilization ${fmtPct(row.gpu_util)}; device memory ${memText}`)
-      );
-    }
-    tr.append(g);
-  }
-  const act = el('td', 'mk-sb-actions');
+      ? `rank ${row.rank} ${row.text}, in ${row.function} (pid ${row.pid ?? '?'})`
+      : `rank ${row.rank} ${row.text} (pid ${row.pid ?? '?'})`;
+  line.append(el('span', 'mk-sb-r', String(row.rank)), state);
+  const act = el('span', 'mk-sb-actions');
   if (row.kind === 'paused') {
     act.append(
       button('mk-sb-debug', 'Debug',
@@ -207,12 +179,43 @@ function rankRow(
   }
   if (mesh.status === 'live') {
     act.append(
-      button('mk-sb-restart', 'Restart', `Restart rank ${row.rank} with a fresh process`,
+      button('mk-sb-restart', '\u21bb', `Restart rank ${row.rank} with a fresh process`,
         () => actions.restart(mesh.name, row.rank))
     );
   }
-  tr.append(act);
-  return tr;
+  line.append(act);
+  div.append(line);
+  const figs = el('div', 'mk-sb-figures');
+  const live = row.cpu !== null;
+  const cpu = el('span', 'mk-sb-cpu');
+  const mem = el('span', 'mk-sb-mem');
+  if (live) {
+    cpu.append(bar((row.cpu ?? 0) / 100, `cpu ${fmtPct(row.cpu)}`, 'mk-sb-cpu-bar', 'CPU, % of one core'));
+    const limit = memLimit(mesh, row);
+    const what = row.mem_limit ? "of the rank's memory limit" : 'of the largest rank';
+    mem.append(
+      bar(limit ? (row.rss ?? 0) / limit : null, `mem ${fmtBytes(row.rss)}`, 'mk-sb-mem-bar',
+        `resident memory ${fmtBytes(row.rss)}${limit ? `, ${what} (${fmtBytes(limit)})` : ''}`)
+    );
+  }
+  figs.append(cpu, mem);
+  if (gpu) {
+    const g = el('span', 'mk-sb-gpu');
+    if (row.gpu_util !== null || row.gpu_mem !== null) {
+      const memText = row.gpu_mem_total
+        ? `${fmtBytes(row.gpu_mem)} / ${fmtBytes(row.gpu_mem_total)}`
+        : fmtBytes(row.gpu_mem);
+      g.append(
+        bar((row.gpu_util ?? 0) / 100, `gpu ${fmtPct(row.gpu_util)}`, 'mk-sb-gpu-bar',
+          `GPU utilization ${fmtPct(row.gpu_util)}; device memory ${memText}`)
+      );
+    }
+    figs.append(g);
+  }
+  if (live) {
+    div.append(figs);
+  }
+  return div;
 }
 
 /** One mesh: its header (name, shape, buttons) and its ranks, grouped by host. */
@@ -241,12 +244,7 @@ export function renderMesh(mesh: IMeshState, actions: ISidebarActions): HTMLElem
     host.append(
       el('div', 'mk-sb-host-name', `${h.host} · ${h.ranks.length} rank${h.ranks.length === 1 ? '' : 's'}`)
     );
-    const table = el('table', 'mk-sb-ranks');
-    const thead = el('tr', 'mk-sb-head');
-    for (const t of ['rank', 'state', 'cpu', 'memory', ...(gpu ? ['gpu'] : []), '']) {
-      thead.append(el('th', '', t));
-    }
-    table.append(thead);
+    const table = el('div', 'mk-sb-ranks');
     for (const r of h.ranks) {
       table.append(rankRow(mesh, r, gpu, actions));
     }
