@@ -154,6 +154,20 @@ def test_dead_and_paused_ranks(ks):
     row = ranks_of(st)[1]
     assert row["text"] == f"paused at Cell In[{n}], line 6" and row["function"] == "bg"
     assert row["debug_in_cell"] is False
+    # an actor endpoint running: "in endpoint ACTOR.NAME" (the worker's telemetry says so)
+    r = ks.execute("from monarch_kernel import Actor, endpoint\n"
+                   "class Slow(Actor):\n"
+                   "    @endpoint\n"
+                   "    def crunch(self, s):\n"
+                   "        import time\n"
+                   "        time.sleep(s)\n"
+                   "        return s\n"
+                   "slow = mesh.slice(procs=slice(0, 1)).spawn('slow', Slow)")
+    assert r.status == "ok", r.error_text()
+    msg_id = ks.kc.execute("slow.crunch.call(4).get()")
+    st = side.state(lambda s: ranks_of(s)[0]["kind"] == "endpoint", timeout=30)
+    assert ranks_of(st)[0]["text"] == "in endpoint slow.crunch", ranks_of(st)[0]
+    ks.wait_idle(msg_id, timeout=60)
     side.close()
     r = ks.execute("%mesh stop")
     assert r.status == "ok", r.error_text()
