@@ -6,7 +6,7 @@ Playwright: the sidebar lists the mesh and its ranks' states while a cell runs
 ("running cell In[2]"), docks the mesh's dashboard in the main area, its
 restart button restarts a rank (a new pid, idle again), and a rank paused in pdb
 shows where ("paused at Cell In[3], line 4") with a Debug button that goes to
-its prompt in the running cell. Screenshots go to
+its prompt in the running cell; after a kernel restart it follows the new kernel. Screenshots go to
 ``tests/artifacts/sidebar/`` (git-ignored; ``MONARCH_TEST_ARTIFACTS`` moves it).
 
 The extension is taken from the build in this checkout
@@ -164,6 +164,13 @@ def test_sidebar_lists_states_docks_dashboard_and_restarts_a_rank(tmp_path, monk
                 page.wait_for_function(
                     "document.querySelector('#monarch-mesh-sidebar .mk-sb-rank[data-rank=\"2\"]')"
                     "?.dataset.kind === 'idle'", timeout=30_000)
+
+                # a kernel restart: the sidebar connects to the new kernel (no mesh there)
+                page.get_by_role("menuitem", name="Kernel", exact=True).click()
+                page.locator(".lm-Menu-itemLabel", has_text="Restart Kernel…").first.click()
+                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=10_000)
+                page.get_by_text("No mesh is running").wait_for(timeout=60_000)
+                assert side.locator(".mk-sb-rank").count() == 0
             except BaseException:
                 page.screenshot(path=str(ARTIFACTS / "sidebar-failure.png"))
                 raise

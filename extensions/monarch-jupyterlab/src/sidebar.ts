@@ -92,7 +92,12 @@ export class MeshSidebar extends Widget implements ISidebarActions {
   }
 
   private _onStatus(_: Kernel.IKernelConnection, status: Kernel.Status): void {
-    if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
+    if (
+      status === 'restarting' ||
+      status === 'autorestarting' ||
+      status === 'dead' ||
+      (status === 'starting' && this._comm !== null)
+    ) {
       this._closeComm();
       this._state = null;
       this._restarted = true;
