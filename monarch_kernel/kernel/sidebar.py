@@ -3,9 +3,10 @@
 The sidebar (``extensions/monarch-jupyterlab/src/sidebar.ts``) opens a comm to
 target :data:`TARGET` on the notebook's kernel. From then on the kernel sends,
 every ``interval`` seconds from a thread of its own (``monarch-sidebar-N``), the
-state of its meshes (:func:`kernel_state`), which reaches the browser while
-cells run, and answers the actions the sidebar asks for. The thread ends when
-the comm closes (either side) or the kernel exits.
+state of its meshes (:func:`kernel_state`; less often when they hold more than
+:data:`RANKS_PER_SECOND` ranks in all), which reaches the browser while cells
+run, and answers the actions the sidebar asks for. The thread ends when the
+comm closes (either side) or the kernel exits.
 
 Messages, kernel -> frontend (``comm.send`` data)::
 
@@ -44,13 +45,15 @@ from monarch_kernel.util.cells import cell_label, location
 
 log = logging.getLogger("monarch_kernel.kernel.sidebar")
 
-__all__ = ["ACTIONS", "DEFAULT_INTERVAL", "TARGET", "MeshSidebar", "check_action",
-           "kernel_state", "mesh_state"]
+__all__ = ["ACTIONS", "DEFAULT_INTERVAL", "RANKS_PER_SECOND", "TARGET", "MeshSidebar",
+           "check_action", "kernel_state", "mesh_state"]
 
 #: the comm target the sidebar opens
 TARGET = "monarch.mesh"
 #: seconds between state messages
 DEFAULT_INTERVAL = 1.0
+#: ranks whose state is sent each ``interval``, at most: bigger meshes are sent less often
+RANKS_PER_SECOND = 256
 #: what the sidebar may ask for
 ACTIONS = ("restart", "stop", "refresh")
 
@@ -264,6 +267,10 @@ class _Channel:
                 log.exception("sidebar: cannot collect the state")
             else:
                 self.send(state)
+                # big meshes: fewer messages, so the bytes sent stay about those of
+                # RANKS_PER_SECOND ranks a second
+                ranks = sum(m["size"] for m in state["meshes"])
+                interval = self.sidebar.interval * max(1.0, ranks / RANKS_PER_SECOND)
             self.wake.wait(interval)
             self.wake.clear()
         self.sidebar.channels.discard(self)

@@ -5,6 +5,7 @@ import {
   humanShape,
   IKernelState,
   IMeshState,
+  MAX_RANKS_SHOWN,
   IRankRow,
   ISidebarActions,
   renderDashboard,
@@ -111,6 +112,18 @@ describe('renderSidebar', () => {
     expect(node.querySelectorAll('.mk-sb-debug')).toHaveLength(1);
     node.querySelector<HTMLButtonElement>('.mk-sb-rank[data-rank="2"] .mk-sb-debug')!.click();
     expect(a.calls).toEqual([['restart', 'mesh', 1], ['stop', 'mesh'], ['dashboard', 'mesh'], ['debug', 'mesh', 2]]);
+  });
+
+  it('lists at most MAX_RANKS_SHOWN ranks of a big mesh, plus the paused and dead ones', () => {
+    const ranks = Array.from({ length: 200 }, (_, i) => row(i));
+    ranks[150] = row(150, { kind: 'dead', text: 'dead (exit code 1)', cpu: null, rss: null });
+    const big = mesh({ size: 200, shape: { procs: 200 }, hosts: [{ host: 'h', ranks }] });
+    const node = document.createElement('div');
+    renderSidebar(node, state([big]), actions());
+    const listed = [...node.querySelectorAll<HTMLElement>('.mk-sb-rank')].map(e => Number(e.dataset.rank));
+    expect(listed).toHaveLength(MAX_RANKS_SHOWN + 1);
+    expect(listed).toContain(150);
+    expect(node.querySelector('.mk-sb-more')!.textContent).toContain(`${200 - MAX_RANKS_SHOWN - 1} more ranks`);
   });
 
   it('says when there is no mesh, and shows a note', () => {

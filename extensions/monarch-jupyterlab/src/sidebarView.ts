@@ -5,6 +5,8 @@
 // CPU, memory and GPU, with the buttons that call back into src/sidebar.ts.
 
 export const COMM_TARGET = 'monarch.mesh';
+/** Ranks a mesh lists in the sidebar, at most (plus paused and dead ones). */
+export const MAX_RANKS_SHOWN = 64;
 
 export type RankKind =
   | 'idle'
@@ -238,18 +240,37 @@ export function renderMesh(mesh: IMeshState, actions: ISidebarActions): HTMLElem
   head.append(title, buttons);
   sec.append(head, summary(mesh));
   const gpu = hasGpu(mesh);
+  // a big mesh: the first MAX_RANKS_SHOWN ranks, and every rank that needs a look
+  // (paused, dead) beyond them; the others are counted (the dashboard lists them all)
+  let shown = 0;
+  let hidden = 0;
   for (const h of mesh.hosts) {
+    const ranks = h.ranks.filter(r => {
+      const show = shown < MAX_RANKS_SHOWN || r.kind === 'paused' || r.kind === 'dead';
+      if (show) {
+        shown++;
+      } else {
+        hidden++;
+      }
+      return show;
+    });
+    if (!ranks.length) {
+      continue;
+    }
     const host = el('div', 'mk-sb-host');
     host.dataset.host = h.host;
     host.append(
       el('div', 'mk-sb-host-name', `${h.host} · ${h.ranks.length} rank${h.ranks.length === 1 ? '' : 's'}`)
     );
     const table = el('div', 'mk-sb-ranks');
-    for (const r of h.ranks) {
+    for (const r of ranks) {
       table.append(rankRow(mesh, r, gpu, actions));
     }
     host.append(table);
     sec.append(host);
+  }
+  if (hidden) {
+    sec.append(el('div', 'mk-sb-more', `${hidden} more rank${hidden === 1 ? '' : 's'} not listed: open the Dashboard for every rank`));
   }
   return sec;
 }
