@@ -12,6 +12,7 @@ Skips where the extension has not been built (no Node here), except in CI (CI=tr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -48,12 +49,25 @@ def _copy_project(dest: Path) -> None:
     shutil.copytree(BUILT, ext / "labextension", ignore=shutil.ignore_patterns("install.json"))
 
 
+def _setuptools_builds_wheels() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
 def test_wheel_ships_prebuilt_extension_and_installs_without_node(tmp_path):
     src = tmp_path / "src"
     _copy_project(src)
     wheels = tmp_path / "wheels"
+    # (this venv's setuptools when it builds wheels by itself, >= 70.1; else pip's isolated
+    # build environment, which fetches setuptools from the package index)
+    isolation = [] if _setuptools_builds_wheels() else ["--use-pep517"]
+    no_isolation = [] if isolation else ["--no-build-isolation"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *no_isolation, *isolation,
          "--disable-pip-version-check", "-w", str(wheels), str(src)],
         check=True, timeout=300)
     (wheel,) = wheels.glob("monarch_kernel-*.whl")
