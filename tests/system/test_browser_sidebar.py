@@ -160,7 +160,7 @@ def test_sidebar_lists_states_docks_dashboard_and_restarts_a_rank(tmp_path, monk
                                        ".contains('jp-Stdin-input')", timeout=20_000)
                 page.keyboard.type("c")
                 page.keyboard.press("Enter")
-                page.get_by_text("[2] went on 2").wait_for(timeout=30_000)
+                page.get_by_text("went on 2").wait_for(timeout=30_000)  # (rank 2's output)
                 page.wait_for_function(
                     "document.querySelector('#monarch-mesh-sidebar .mk-sb-rank[data-rank=\"2\"]')"
                     "?.dataset.kind === 'idle'", timeout=30_000)
