@@ -50,6 +50,7 @@ from typing import Any
 from monarch_kernel.debug.ranks import parse_debug_ranks, ranks_text, report_quits
 from monarch_kernel.debug.registry import DebugRegistry, DebugSession
 from monarch_kernel.errors import RankSpecError, compact_ranks, ranks_label
+from monarch_kernel.util.cells import location
 
 __all__ = ["HELP", "DebugConsole", "parse_debug_ranks", "report_quits"]
 
@@ -496,11 +497,11 @@ class DebugConsole:
                         "(attach R for pdb commands)")
 
     def _list(self, paused: list[DebugSession]) -> None:
-        rows = [("rank", "host", "function", "file:line")]
+        rows = [("rank", "host", "function", "where")]
         for s in paused:
             thread = f" [{s.thread}]" if s.thread and s.thread != "MainThread" else ""
             rows.append((str(s.rank), self._host(s.rank), s.function + thread,
-                         f"{s.filename}:{s.lineno}"))
+                         location(s.filename, s.lineno)))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         self._write("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                               for r in rows))

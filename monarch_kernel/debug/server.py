@@ -58,6 +58,7 @@ import types
 from typing import IO, Any, cast
 
 from monarch_kernel.actor.context import current_actor
+from monarch_kernel.util.cells import location
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.worker import handlers, telemetry
 from monarch_kernel.worker.worker import (
@@ -190,7 +191,7 @@ class RemotePdb(pdb.Pdb):
             "function": code.co_name,
             "filename": code.co_filename,
             "lineno": lineno,
-            "where": f"{code.co_filename}:{lineno} in {code.co_name}",
+            "where": f"{location(code.co_filename, lineno)}, in {code.co_name}",
         }
 
     def _read_line(self) -> str:
@@ -202,7 +203,7 @@ class RemotePdb(pdb.Pdb):
             entry = "> " + self.format_stack_entry(self.stack[self.curindex], "\n-> ")
         where = self._where()
         self._send("paused", prompt=self.prompt, entry=entry, **where)
-        with _activity(f"paused at {where['filename']}:{where['lineno']}"):
+        with _activity(f"paused at {location(where['filename'], where['lineno'])}"):
             while True:
                 try:
                     line = self._inbox.get(timeout=0.5)

@@ -17,6 +17,7 @@ from traitlets import Float, Type
 
 from monarch_kernel import __version__
 from monarch_kernel.kernel.magics import MeshMagics
+from monarch_kernel.kernel.sidebar import MeshSidebar
 
 __all__ = ["MonarchKernel", "MonarchShell"]
 
@@ -111,7 +112,11 @@ class MonarchKernel(IPythonKernel):
         assert self.shell is not None  # (IPythonKernel.__init__ made it)
         self.mesh_magics = MeshMagics(self.shell, kernel=self)
         self.shell.register_magics(self.mesh_magics)
+        # JupyterLab's mesh sidebar opens comms to "monarch.mesh" (kernel/sidebar.py)
+        self.mesh_sidebar = MeshSidebar(self.mesh_magics)
+        self.mesh_sidebar.register(self.comm_manager)
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        self.mesh_sidebar.close()
         self.mesh_magics.stop_all()
         return super().do_shutdown(restart)

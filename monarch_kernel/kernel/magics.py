@@ -15,8 +15,10 @@ import shlex
 import signal
 import sys
 import time
+import types
 from typing import Any
 
+import IPython
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -36,9 +38,13 @@ from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.transport.sockets import max_message_bytes
 from monarch_kernel.ui.status import StatusTable
+from monarch_kernel.util.cells import cell_filename
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
 __all__ = ["MeshMagics"]
+
+#: IPython's major version (9 counts a cell's In[N] before running it)
+IPYTHON_MAJOR = IPython.version_info[0]
 
 #: ranks a local mesh may have (more is almost surely a typo)
 MAX_LOCAL_RANKS = 1024
@@ -120,6 +126,8 @@ class MeshMagics(Magics):
         self.kernel = kernel
         self.meshes: dict[str, ProcMesh] = {}
         self.current: str | None = None
+        self.running_cell: tuple[ProcMesh, Request, int] | None = None
+        self._last_cell: tuple[int, int] = (0, 0)
         #: rank output as a MIME bundle once a frontend asks for it (comm monarch.rankstream)
         self.rankstream = RankStreamChannel(getattr(kernel, "comm_manager", None))
         self._rank_display: RankStreamDisplay | None = None
@@ -387,13 +395,61 @@ class MeshMagics(Magics):
         if a.timeout is not None and a.timeout <= 0:
             raise UsageError("%%mesh --timeout: give a positive number of seconds")
         bind_refs(m, ranks, cell, self.ip.user_ns)  # handles used by the cell: local values
-        req = m.run(cell, ranks)
-        self.wait_cell(m, req, a.timeout)
+        filename, prefix = self.cell_source(cell)
+        req = m.run(cell, ranks, filename=filename, prefix=prefix)
+        #: (root mesh, request, execution count) of the %%mesh cell running now (the sidebar)
+        self.running_cell = (m.root, req, self._last_cell[0])
+        try:
+            self.wait_cell(m, req, a.timeout)
+        finally:
+            self.running_cell = None
         finish_cell(m, req, lambda text: write_stream("stderr", text))  # pdb `q` is no failure
         vm = m.collect(req, ranks)  # (a rank died: it stops the others, showing what they print)
         if all(v is None for v in vm.values()):
             return None
         return vm
+
+    def cell_source(self, cell: str) -> tuple[str, str]:
+        """``(filename, prefix)`` the ranks run the body ``cell`` of the running
+        ``%%mesh`` cell under: ``"<Cell In[N]>"``, N the execution count the
+        notebook shows, and the editor's lines above the body (the ``%%mesh`` line),
+        so that tracebacks and pdb name the cell and count lines as the editor
+        does (:mod:`monarch_kernel.util.cells`). The prefix is ``""`` when the cell
+        as typed cannot be found (a magic called from code)."""
+        count = self._execution_count()
+        last, serial = self._last_cell
+        serial = serial + 1 if last == count else 1
+        self._last_cell = (count, serial)
+        return cell_filename(count, serial), _prefix_of(self._raw_cell(), cell)
+
+    def _execution_count(self) -> int:
+        """The execution count of the notebook cell running now (``In[N]``): that
+        of the innermost frame of code IPython compiled for a cell (a ``%%mesh``
+        cell, or a cell whose code called the magic), as IPython's own tracebacks
+        name it; else the shell's count (IPython 9 counts the running cell before
+        it runs, 8 after)."""
+        name = getattr(self.ip.compile, "format_code_name", None)
+        f: types.FrameType | None = sys._getframe(1)
+        while name is not None and f is not None:
+            found = name(f.f_code.co_filename)
+            if found is not None and found[1].startswith("In[") and found[1][3:-1].isdigit():
+                return int(found[1][3:-1])
+            f = f.f_back
+        count = int(self.ip.execution_count)
+        return count - 1 if IPYTHON_MAJOR >= 9 and count > 1 else count
+
+    def _raw_cell(self) -> list[str]:
+        """Candidates for the cell as typed: the execute request's code, the
+        history's last input."""
+        out = []
+        parent = getattr(self.ip, "parent_header", None)
+        code = (parent.get("content") or {}).get("code") if isinstance(parent, dict) else None
+        if isinstance(code, str):
+            out.append(code)
+        hist = getattr(getattr(self.ip, "history_manager", None), "input_hist_raw", None)
+        if hist:
+            out.append(hist[-1])
+        return out
 
     def wait_cell(self, m: ProcMesh, req: Request, timeout: float | None) -> None:
         """Show the request's output live until it is done; handle interrupts."""
@@ -513,6 +569,21 @@ class MeshMagics(Magics):
                     transient={"display_id": f"monarch-progress-{id(self)}-{rank}-{name}-"
                                              f"{self._progress_cell}"},
                     update=not first)
+
+def _prefix_of(candidates: list[str], body: str) -> str:
+    """The lines above ``body`` in the first candidate cell that is ``%%mesh``
+    (after blank lines) followed by ``body``; ``""`` if none is."""
+    for raw in candidates:
+        lines = raw.splitlines(True)
+        i = next((k for k, ln in enumerate(lines) if ln.strip()), None)
+        if i is None or not lines[i].lstrip().startswith("%%mesh"):
+            continue
+        if "".join(lines[i + 1:]).rstrip() != body.rstrip():
+            continue
+        prefix = "".join(lines[:i + 1])
+        return prefix if prefix.endswith("\n") else prefix + "\n"
+    return ""
+
 
 class _Timeout(Exception):
     pass

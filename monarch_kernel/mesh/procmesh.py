@@ -157,12 +157,23 @@ class ProcMesh:
         self._check()
         return self.controller.request(self.ranks if ranks is None else ranks, type, content)
 
-    def run(self, code: str, ranks: list[int] | None = None) -> Request:
-        """Start running ``code`` as a cell on ``ranks``; returns the :class:`Request`."""
-        with self._lock:
-            self.root._cell += 1
-            n = self.root._cell
-        return self.request("execute", {"code": code, "filename": f"<mesh-cell-{n}>"}, ranks)
+    def run(self, code: str, ranks: list[int] | None = None, *, filename: str | None = None,
+            prefix: str = "") -> Request:
+        """Start running ``code`` as a cell on ``ranks``; returns the :class:`Request`.
+
+        ``filename``: the name tracebacks and pdb give the code (default
+        ``<mesh-cell-N>``, N counting this mesh's cells); ``prefix``: the lines
+        of the notebook cell above ``code`` (its ``%%mesh`` line), so that line
+        numbers are the editor's (see :mod:`monarch_kernel.util.cells`).
+        """
+        if filename is None:
+            with self._lock:
+                self.root._cell += 1
+                filename = f"<mesh-cell-{self.root._cell}>"
+        content = {"code": code, "filename": filename}
+        if prefix:
+            content["prefix"] = prefix
+        return self.request("execute", content, ranks)
 
     def collect(self, req: Request, ranks: list[int] | None = None,
                 timeout: float | None = None) -> ValueMesh:

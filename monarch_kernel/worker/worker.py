@@ -81,6 +81,7 @@ from monarch_kernel.transport.sockets import (
     send_frames,
 )
 from monarch_kernel.util.droplog import INTERVAL_S
+from monarch_kernel.util.cells import rewrite_traceback
 from monarch_kernel.wire import exctree, protocol, serialize
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.serialize import Packed, cuda_ipc, reply_content
@@ -510,16 +511,24 @@ class Worker:
         filename = content.get("filename") or f"<mesh-cell-{self.cell_count}>"
         for name, lines in (content.get("sources") or {}).items():
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-        return self.run_cell(content["code"], filename)
+        return self.run_cell(content["code"], filename, content.get("prefix") or "")
 
-    def run_cell(self, code: str, filename: str) -> Any:
+    def run_cell(self, code: str, filename: str, prefix: str = "") -> Any:
         """Run ``code`` in the rank's namespace; return its last expression's value.
 
-        Top-level ``await`` is allowed (run on the worker's event loop).
+        ``prefix``: the lines of the notebook cell above ``code`` (its ``%%mesh``
+        line), each ending in a newline: :mod:`linecache` holds the cell as the
+        editor shows it under ``filename``, and line numbers (tracebacks, pdb)
+        are the editor's. Top-level ``await`` is allowed (run on the worker's
+        event loop).
         """
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        if prefix and not prefix.endswith("\n"):
+            prefix += "\n"
+        lines = (prefix + code).splitlines(True)
+        linecache.cache[filename] = (len(prefix) + len(code), None, lines, filename)
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-        tree = ast.parse(code, filename, "exec")
+        # (blank lines in place of the prefix: the parser counts lines as the editor does)
+        tree = ast.parse("\n" * prefix.count("\n") + code if prefix else code, filename, "exec")
         last = None
         if tree.body and isinstance(end := tree.body[-1], ast.Expr):
             tree.body.pop()
@@ -619,6 +628,7 @@ def _own_text(e: BaseException) -> str:
             else traceback.format_exception_only(type(e), e))
     text = "".join(["Traceback (most recent call last):\n",
                     *traceback.format_list(frames), *only]) if frames else "".join(only)
+    text = rewrite_traceback(text)  # cells named as the notebook shows them: Cell In[3]
     inner = getattr(e, "remote_traceback", "") if isinstance(e, RemoteError) else ""
     if text and inner:  # it came from other ranks: show where it was raised too
         for i, part in enumerate([e, *getattr(e, "others", ())]):  # (ranks that failed

@@ -61,10 +61,12 @@ def test_breakpoint_on_one_rank_step_print_continue(k4):
     s.check()
     assert s.prompts == ["(Pdb rank 1) "] * 4
     out = r.stream()
-    assert "rank 1 paused at <mesh-cell-" in out
+    # the cell as the notebook names it, lines counted as in the editor (%%mesh is line 1)
+    assert re.search(r"rank 1 paused at Cell In\[\d+\], line 5, in <module>", out), out
     assert "-> x = x + 1" in out  # pdb's location line
-    # `l` shows the cell's own source lines (linecache entry of the cell)
-    assert "  1  \tx = rank * 10" in out and "->\tx = x + 1" in out
+    # `l` shows the cell's own source lines as the editor does (linecache entry of the cell)
+    assert "  1  \t%%mesh" in out and "  2  \tx = rank * 10" in out
+    assert "  5  ->\tx = x + 1" in out
     assert re.search(r"^11$", out, re.MULTILINE)  # `p x` after `n`
     for rank in range(4):
         assert f"[{rank}] done {rank * 10 + 1}" in out
@@ -87,7 +89,8 @@ def test_several_ranks_console_list_cast_continue(k4):
     assert r.status == "ok", r.error_text()
     assert not plan, asked
     out = r.stream()
-    rows = re.findall(r"^([0-3])\s+\S+\s+<module>\s+<mesh-cell-\d+>:3$", out, re.MULTILINE)
+    rows = re.findall(r"^([0-3])\s+\S+\s+<module>\s+Cell In\[\d+\], line 4$", out,
+                      re.MULTILINE)
     assert sorted(rows) == ["0", "1", "2", "3"], out
     assert "[0] 0\n[1] 1\n" in out
     assert "[2] 200\n[3] 300\n" in out
@@ -125,7 +128,7 @@ def test_post_mortem_shows_the_failing_frame(k4):
     s.check()
     assert s.prompts[0] == "(Pdb rank 3) "
     out = r.stream()
-    assert "rank 3 paused at <mesh-cell-" in out and "in lookup" in out
+    assert "rank 3 paused at Cell In[" in out and "in lookup" in out
     assert "post-mortem of KeyError" in out
     assert "table = {'a': 1}" in out and "key = 'missing'" in out
     assert re.search(r"^7$", out, re.MULTILINE)
@@ -146,7 +149,7 @@ def test_no_stdin_skips_the_breakpoint_with_a_warning(k4):
                    "rank + i", timeout=120)  # allow_stdin false, as nbclient
     assert r.status == "ok", r.error_text()
     err = r.stream("stderr")
-    assert "rank 1: breakpoint at <mesh-cell-" in err and "skipped" in err
+    assert "rank 1: breakpoint at Cell In[" in err and "skipped" in err
     assert err.count("rank 1: breakpoint at") == 1  # one warning per rank, not per breakpoint
     assert "5" in r.result_text()  # rank 3 + 2
     r = k4.execute("%mesh debug --post-mortem 1", timeout=60)
@@ -182,7 +185,8 @@ def test_background_pause_and_mesh_debug(k4):
     assert r.status == "ok", r.error_text()
     s.check()
     out = r.stream()
-    assert re.search(r"^2\s+\S+\s+bg \[bgwork\]\s+<mesh-cell-\d+>:5$", out, re.MULTILINE), out
+    assert re.search(r"^2\s+\S+\s+bg \[bgwork\]\s+Cell In\[\d+\], line 6$", out,
+                     re.MULTILINE), out
     assert "[2] 42" in out
     assert "still paused" in out
     assert "paused" in _states(k4)  # it stayed paused after detach

@@ -46,7 +46,7 @@ def test_debugging_notebook_runs_with_scripted_stdin(tmp_path):
     nb = nbformat.read(tmp_path / "04_debugging.ipynb", as_version=4)
     text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", [])
                    if out.get("output_type") == "stream")
-    assert "rank 2 paused at <mesh-cell-" in text
+    assert "rank 2 paused at Cell In[" in text
     assert "(Pdb rank 2) p data\n" in text and "[2, 3, 4]" in text
     assert "(mesh-debug) cast 0:2 p x\n" in text and "[0] 0\n[1] 1\n" in text
     assert "[2] 4\n[3] 9\n" in text

@@ -5,9 +5,11 @@
 // (package.json "jupyterlab.mimeExtension").
 import { JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { rankstreamPlugin } from './rankstreamPlugin';
+import { sidebarPlugin } from './sidebar';
 
 const PLUGINS: JupyterFrontEndPlugin<any>[] = [
   rankstreamPlugin,
+  sidebarPlugin,
 ];
 
 export default PLUGINS;
