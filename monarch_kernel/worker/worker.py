@@ -80,8 +80,8 @@ from monarch_kernel.transport.sockets import (
     inproc_pair,
     send_frames,
 )
-from monarch_kernel.util.droplog import INTERVAL_S
 from monarch_kernel.util.cells import rewrite_traceback
+from monarch_kernel.util.droplog import INTERVAL_S
 from monarch_kernel.wire import exctree, protocol, serialize
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.serialize import Packed, cuda_ipc, reply_content
