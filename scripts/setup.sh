@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything monarch_kernel needs, in ./.venv: CPU torch, the package
-# (editable, with the test, lint and docs extras) and the Jupyter kernelspec "monarch".
+# (editable, with the test, lint and docs extras), the Jupyter kernelspec "monarch" and, when
+# extensions/build.sh has built it, a link to the JupyterLab extension.
 # Idempotent: a second run with an unchanged pyproject.toml does almost nothing.
 #
 # MONARCH_DEPS=oldest: the oldest versions the package declares it supports instead
@@ -36,6 +37,10 @@ if [ ! -x "$PY" ]; then
     say "creating $VENV"
     "$BASE_PY" -m venv "$VENV" || die "could not create a venv (on Debian/Ubuntu: apt-get install python3-venv)"
 fi
+
+# The JupyterLab extension, when built (extensions/build.sh; .ci/run builds it first): an
+# editable install skips pyproject.toml's data-files, so link it into the venv (cheap, idempotent).
+bash "$ROOT/scripts/labextensions.sh" --no-build "$VENV"
 
 stamp_files=(pyproject.toml scripts/setup.sh monarch_kernel/kernel/kernelspec.py)
 [ "$DEPS" = oldest ] && stamp_files+=(scripts/oldest-constraints.txt)
