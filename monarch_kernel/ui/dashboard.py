@@ -33,7 +33,10 @@ Outputs that survive
 A widget's output holds only a model id; once the kernel is gone, JupyterLab
 shows "Error displaying widget: model not found" and nbconvert skips it. So
 the dashboard is displayed with a display id and a bundle of the widget view
-plus ``text/html`` (its last drawing) and ``text/plain`` (a summary). Every
+(also under ``application/vnd.monarch.dashboard+json``, which the monarch
+JupyterLab extension renders as the live widget while its model exists and
+as the ``text/html`` otherwise) plus ``text/html`` (its last drawing) and
+``text/plain`` (a summary). Every
 ``snapshot_every`` seconds while live the bundle is sent again
 (``update_display_data``) so a notebook saved meanwhile keeps recent figures
 (nbconvert, GitHub and other renderers without the model use ``text/html``).
@@ -79,6 +82,9 @@ MAX_ROWS = 32
 #: seconds between refreshes of the static copy in the output while live
 SNAPSHOT_EVERY = 30.0
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+#: the same view under the monarch extension's MIME type: JupyterLab with the extension
+#: renders it (the live widget while its model exists, else the bundle's text/html)
+DASHBOARD_MIME = "application/vnd.monarch.dashboard+json"
 _counter = itertools.count(1)
 
 
@@ -358,8 +364,9 @@ class Dashboard(widgets.VBox):
     def _bundle(self, static: bool = False) -> dict[str, Any]:
         data: dict[str, Any] = {"text/html": self.html, "text/plain": render_text(self.snap)}
         if not static and self.model_id:
-            data[WIDGET_VIEW] = {"version_major": 2, "version_minor": 0,
-                                 "model_id": self.model_id}
+            view = {"version_major": 2, "version_minor": 0, "model_id": self.model_id}
+            data[WIDGET_VIEW] = view
+            data[DASHBOARD_MIME] = dict(view)
         return data
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:

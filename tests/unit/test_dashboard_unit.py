@@ -15,6 +15,7 @@ from monarch_kernel.mesh.shape import Shape
 from monarch_kernel.testing.kernel import wait_for
 from monarch_kernel.ui import snapshot
 from monarch_kernel.ui.dashboard import (
+    DASHBOARD_MIME,
     WIDGET_VIEW,
     Dashboard,
     freeze_all,
@@ -294,6 +295,7 @@ def test_output_keeps_a_static_copy_and_freezes_when_the_mesh_stops(dashboards, 
     data, kw = shown.shown[0]
     assert kw["display_id"] == d.display_id and kw["raw"]
     assert data[WIDGET_VIEW]["model_id"] == d.model_id
+    assert data[DASHBOARD_MIME] == data[WIDGET_VIEW]  # the extension's own MIME type
     assert 'class="monarch-dashboard-view"' in data["text/html"] and "live" in data["text/html"]
     assert "live" not in data["text/plain"] and "1 host x 2 procs" in data["text/plain"]
     # while live, the static copy is refreshed now and then (a notebook saved meanwhile)
@@ -306,7 +308,7 @@ def test_output_keeps_a_static_copy_and_freezes_when_the_mesh_stops(dashboards, 
     assert not d.running or wait_for(lambda: not d.running, 5, what="end")
     last, kw = shown.updates[-1]
     assert kw["display_id"] == d.display_id
-    assert WIDGET_VIEW not in last  # the static HTML alone: nothing needs the model
+    assert WIDGET_VIEW not in last and DASHBOARD_MIME not in last  # static: no model needed
     assert 'data-status="stopped"' in last["text/html"] and "42%" not in last["text/html"]
     assert "mesh stopped" in last["text/html"] and "live" not in last["text/plain"]
     assert "mesh stopped" in last["text/plain"]

@@ -5,9 +5,11 @@
 // (package.json "jupyterlab.mimeExtension").
 import { JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { rankstreamPlugin } from './rankstreamPlugin';
+import { snapshotPlugin } from './snapshotPlugin';
 
 const PLUGINS: JupyterFrontEndPlugin<any>[] = [
   rankstreamPlugin,
+  snapshotPlugin,
 ];
 
 export default PLUGINS;
