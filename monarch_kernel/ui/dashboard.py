@@ -362,7 +362,10 @@ class Dashboard(widgets.VBox):
 
     # ------------------------------------------------------------ display
     def _bundle(self, static: bool = False) -> dict[str, Any]:
-        data: dict[str, Any] = {"text/html": self.html, "text/plain": render_text(self.snap)}
+        # (while live, the copy kept in the output says when it was taken, not "live")
+        html_text = self.html if static or not self.snap else render_html(
+            dict(self.snap, status="snapshot"))
+        data: dict[str, Any] = {"text/html": html_text, "text/plain": render_text(self.snap)}
         if not static and self.model_id:
             view = {"version_major": 2, "version_minor": 0, "model_id": self.model_id}
             data[WIDGET_VIEW] = view

@@ -12,12 +12,14 @@ The snapshot dict (``version`` 1)
 ---------------------------------
 ``shape``      the mesh's shape for people: ``"1 host x 4 procs"``
 ``dims``       the shape as a dict (``{"hosts": 1, "procs": 4}``)
-``status``     ``"live"``, ``"stopped"`` (the mesh stopped) or ``"closed"``
+``status``     ``"live"``, ``"stopped"`` (the mesh stopped), ``"closed"``, or
+               ``"snapshot"`` (a copy taken while live, kept in the output)
 ``taken_at``   seconds since the epoch when it was taken
 ``has_gpu``    True when some rank reports a GPU (GPU columns are shown first)
 ``mode``       ``"rows"`` (a row per rank) or ``"heatmap"`` (many ranks)
 ``ranks``      one dict per rank, in rank order: ``rank``, ``host``, ``pid``,
-               ``state`` (text), ``dead``, ``alive``, ``cpu`` (% of one core),
+               ``state`` (text), ``dead``, ``alive``, ``last`` (the figures are the
+               last seen before the mesh stopped), ``cpu`` (% of one core),
                ``rss`` (bytes), ``mem_limit`` (bytes) and ``mem_limit_kind``
                (``"cgroup"``: the rank's cgroup limit; ``"largest"``: the
                largest rank's memory), ``gpu_util`` (%), ``gpu_mem`` and
@@ -192,23 +194,26 @@ def collect(dims: Mapping[str, int], ranks: Iterable[int], infos: Mapping[int, A
         if status == "stopped" and (state != "dead" or info.exitcode == 0):
             state = "stopped"
         alive = "cpu" in tel and state not in ("dead", "stopped", "starting")
-        gpu = tel.get("gpu") if alive else None
+        # a mesh stopped (or a dashboard closed) keeps each rank's last figures, not dashes
+        shown = alive or ("cpu" in tel and state == "stopped" and status != "live")
+        gpu = tel.get("gpu") if shown else None
         rows.append({
             "rank": r, "host": info.host or "", "pid": info.pid,
             "state": state_text(state, tel.get("activity"), info.exitcode),
             "dead": state == "dead", "alive": alive,
-            "cpu": tel.get("cpu") if alive else None,
-            "rss": tel.get("rss") if alive else None,
+            "cpu": tel.get("cpu") if shown else None,
+            "rss": tel.get("rss") if shown else None,
             "mem_limit": tel.get("mem_limit"),
             "mem_limit_kind": "cgroup" if tel.get("mem_limit") else "largest",
-            "threads": tel.get("threads") if alive else None,
+            "threads": tel.get("threads") if shown else None,
+            "last": shown and not alive,
             "gpu_util": (gpu or {}).get("util"),
             "gpu_mem": (gpu or {}).get("mem_used"),
             "gpu_mem_total": (gpu or {}).get("mem_total"),
             "gpu_index": (gpu or {}).get("index"),
             "history": _history((history or {}).get(r, ()), now, span),
         })
-    live = [f for f in rows if f["alive"]]
+    live = [f for f in rows if f["alive"] or f["last"]]
     largest = max((f["rss"] or 0 for f in live), default=0)
     for f in rows:
         if not f["mem_limit"]:
@@ -217,7 +222,7 @@ def collect(dims: Mapping[str, int], ranks: Iterable[int], infos: Mapping[int, A
     cgroup = [f["mem_limit"] for f in live if f["mem_limit_kind"] == "cgroup"]
     gpus = [f for f in live if f["gpu_util"] is not None]
     totals = {
-        "ranks": len(rows), "reporting": len(live),
+        "ranks": len(rows), "reporting": sum(1 for f in rows if f["alive"]),
         "dead": [f["rank"] for f in rows if f["dead"]],
         "cpu": round(sum(f["cpu"] or 0 for f in live), 2) if live else None,
         "rss": sum(f["rss"] or 0 for f in live) if live else None,
@@ -244,7 +249,7 @@ def _bar(frac: float | None, color: str, text: str, cls: str, title: str = "") -
     """A bar (``frac`` of its width filled) and its figure, as a table cell."""
     w = 0.0 if frac is None else max(0.0, min(1.0, frac)) * 100
     tip = f' title="{_esc(title)}"' if title else ""
-    return (f'<td class="{cls}"{tip} style="padding:1px 6px;white-space:nowrap">'
+    return (f'<td class="{cls}"{tip} style="padding:1px 6px;text-align:left;white-space:nowrap">'
             f'<span style="display:inline-block;vertical-align:middle;width:70px;height:8px;'
             f'background:{BG2};border-radius:2px;overflow:hidden;margin-right:6px">'
             f'<span style="display:block;height:100%;width:{w:.1f}%;background:{color}">'
@@ -275,8 +280,9 @@ def _state_cell(f: dict[str, Any]) -> str:
     color = STATE_COLORS.get(key, STATE_COLORS["running"] if key.startswith("running")
                              else FG2)
     text_color = ERROR if f["dead"] else FG
-    return (f'<td class="mk-state" title="{_esc(f["state"])}" style="padding:1px 6px;'
-            f'white-space:nowrap;color:{text_color};border-left:4px solid {color}">'
+    return (f'<td class="mk-state" title="{_esc(f["state"])}" '
+            f'style="padding:1px 6px;text-align:left;white-space:nowrap;color:{text_color};'
+            f'border-left:4px solid {color}">'
             f'{_esc(f["state"][:32])}</td>')
 
 
@@ -288,7 +294,7 @@ def _mem_text(used: float | None, limit: float | None) -> str:
 
 def _rows_html(snap: dict[str, Any]) -> str:
     gpu = snap["has_gpu"]
-    th = f'style="text-align:left;padding:1px 6px;color:{FG2};font-weight:normal"'
+    th = f'style="text-align:left;padding:1px 6px;text-align:left;color:{FG2};font-weight:normal"'
     heads = ["rank", "state"] + (["gpu util", "gpu memory"] if gpu else []) + [
         "cpu", "memory", "history"]
     out = ['<table class="mk-table" style="border-collapse:collapse;font-size:12px">',
@@ -300,11 +306,13 @@ def _rows_html(snap: dict[str, Any]) -> str:
         if f["host"] != host:
             host = f["host"]
             n = sum(1 for g in snap["ranks"] if g["host"] == host)
-            out.append(f'<tr class="mk-host"><td colspan="{ncols}" style="padding:4px 6px 1px;'
-                       f'color:{FG}"><b>{_esc(host or "(starting)")}</b> &middot; '
+            out.append(f'<tr class="mk-host"><td colspan="{ncols}" '
+                       f'style="padding:4px 6px 1px;text-align:left;color:{FG}">'
+                       f'<b>{_esc(host or "(starting)")}</b> &middot; '
                        f'{_plural(n, "ranks")}</td></tr>')
         cls = f"mk-row mk-r{f['rank']}" + (" mk-dead" if f["dead"] else "")
-        cells = [f'<td style="padding:1px 6px"><b>r{f["rank"]}</b></td>', _state_cell(f)]
+        cells = [f'<td style="padding:1px 6px;text-align:left"><b>r{f["rank"]}</b></td>',
+                 _state_cell(f)]
         if gpu:
             util = f["gpu_util"]
             idx = f"#{f['gpu_index']} " if f.get("gpu_index") is not None else ""
@@ -323,22 +331,24 @@ def _rows_html(snap: dict[str, Any]) -> str:
                           _mem_text(f["rss"], lim), "mk-mem",
                           "RSS against the rank's cgroup limit" if f["mem_limit_kind"] ==
                           "cgroup" else "RSS against the largest rank's"))
-        cells.append(f'<td class="mk-spark" style="padding:1px 6px">'
+        cells.append(f'<td class="mk-spark" style="padding:1px 6px;text-align:left">'
                      f'{sparkline(f["history"], snap["span"])}</td>')
         out.append(f'<tr class="{cls}" style="border-top:1px solid {BORDER}">'
                    + "".join(cells) + "</tr>")
     t = snap["totals"]
-    cells = ['<td style="padding:2px 6px"><b>total</b></td>',
-             f'<td style="padding:2px 6px;color:{FG}">{t["reporting"]} of {t["ranks"]} '
-             f"reporting</td>"]
+    last = snap["status"] != "live" and not t["reporting"] and t["cpu"] is not None
+    cells = ['<td style="padding:2px 6px;text-align:left"><b>total</b></td>',
+             f'<td style="padding:2px 6px;text-align:left;color:{FG}">'
+             + ("last figures" if last else f'{t["reporting"]} of {t["ranks"]} reporting')
+             + "</td>"]
     if gpu:
-        cells.append(f'<td class="mk-gpu" style="padding:2px 6px">mean '
+        cells.append(f'<td class="mk-gpu" style="padding:2px 6px;text-align:left">mean '
                      f'{fmt_pct(t["gpu_util"]) or "-"}</td>')
-        cells.append(f'<td class="mk-gpumem" style="padding:2px 6px">'
+        cells.append(f'<td class="mk-gpumem" style="padding:2px 6px;text-align:left">'
                      f'{_mem_text(t["gpu_mem"], t["gpu_mem_total"])}</td>')
-    cells.append(f'<td class="mk-cpu" style="padding:2px 6px">'
+    cells.append(f'<td class="mk-cpu" style="padding:2px 6px;text-align:left">'
                  f'{fmt_pct(t["cpu"]) or "-"}</td>')
-    cells.append(f'<td class="mk-mem" style="padding:2px 6px">'
+    cells.append(f'<td class="mk-mem" style="padding:2px 6px;text-align:left">'
                  f'{_mem_text(t["rss"], t["mem_limit"])}</td><td></td>')
     out.append(f'<tr class="mk-total" style="border-top:2px solid {BORDER};color:{FG}">'
                + "".join(cells) + "</tr></tbody></table>")
@@ -375,7 +385,7 @@ def _timeline_html(snap: dict[str, Any]) -> str:
         return (f'<div class="mk-timeline" style="color:{FG2};margin-top:6px">timeline: no '
                 f"cell or endpoint call yet</div>")
     ranks = [f["rank"] for f in snap["ranks"]]
-    th = f'style="padding:1px 6px;color:{FG2};font-weight:normal;text-align:left"'
+    th = f'style="padding:1px 6px;text-align:left;color:{FG2};font-weight:normal;text-align:left"'
     out = [f'<div class="mk-timeline" style="margin-top:6px"><div style="color:{FG2}">'
            f"recent cells and endpoint calls: time each rank took (full bar: the slowest; "
            f"<b style=\"color:{FG}\">slow</b>: a straggler)</div>"
@@ -385,7 +395,7 @@ def _timeline_html(snap: dict[str, Any]) -> str:
         out.append(f'<th {th} title="{e["ago"]:.0f} s ago">{_esc(e["label"])}</th>')
     out.append("</tr></thead><tbody>")
     for r in ranks:
-        row = [f'<td style="padding:1px 6px;color:{FG}">r{r}</td>']
+        row = [f'<td style="padding:1px 6px;text-align:left;color:{FG}">r{r}</td>']
         for e in tl:
             if str(r) not in e["ranks"]:
                 row.append("<td></td>")
@@ -402,8 +412,9 @@ def _timeline_html(snap: dict[str, Any]) -> str:
             color = BAR_SLOW if slow else BAR_CPU
             cls = "mk-tl" + (" mk-slow" if slow else "")
             row.append(
-                f'<td class="{cls}" data-rank="{r}" style="padding:1px 6px;white-space:nowrap;'
-                f'color:{FG}"><span style="display:inline-block;vertical-align:middle;'
+                f'<td class="{cls}" data-rank="{r}" style="padding:1px 6px;text-align:left;'
+                f'white-space:nowrap;color:{FG}">'
+                f'<span style="display:inline-block;vertical-align:middle;'
                 f'width:40px;height:6px;background:{BG2};margin-right:4px">'
                 f'<span style="display:block;height:100%;width:{min(frac, 1) * 100:.0f}%;'
                 f'background:{color}"></span></span>{_esc(text)}'
@@ -419,6 +430,8 @@ def _status_words(snap: dict[str, Any]) -> str:
         return f"live, every {snap['interval']:g} s, {at}"
     if snap["status"] == "stopped":
         return f"mesh stopped; last state at {at}"
+    if snap["status"] == "snapshot":
+        return f"last state seen at {at} (the dashboard was live then)"
     return f"closed; last state at {at}"
 
 

@@ -296,7 +296,9 @@ def test_output_keeps_a_static_copy_and_freezes_when_the_mesh_stops(dashboards, 
     assert kw["display_id"] == d.display_id and kw["raw"]
     assert data[WIDGET_VIEW]["model_id"] == d.model_id
     assert data[DASHBOARD_MIME] == data[WIDGET_VIEW]  # the extension's own MIME type
-    assert 'class="monarch-dashboard-view"' in data["text/html"] and "live" in data["text/html"]
+    assert 'class="monarch-dashboard-view"' in data["text/html"]
+    assert 'data-status="snapshot"' in data["text/html"] and "live," not in data["text/html"]
+    assert 'data-status="live"' in d.view.value and "live, every" in d.view.value
     assert "live" not in data["text/plain"] and "1 host x 2 procs" in data["text/plain"]
     # while live, the static copy is refreshed now and then (a notebook saved meanwhile)
     wait_for(lambda: shown.updates, 5, what="a refresh of the static copy")
@@ -309,7 +311,9 @@ def test_output_keeps_a_static_copy_and_freezes_when_the_mesh_stops(dashboards, 
     last, kw = shown.updates[-1]
     assert kw["display_id"] == d.display_id
     assert WIDGET_VIEW not in last and DASHBOARD_MIME not in last  # static: no model needed
-    assert 'data-status="stopped"' in last["text/html"] and "42%" not in last["text/html"]
+    assert 'data-status="stopped"' in last["text/html"]
+    assert "42%" in last["text/html"]  # the last figures seen, kept
+    assert "last figures" in last["text/html"]
     assert "mesh stopped" in last["text/html"] and "live" not in last["text/plain"]
     assert "mesh stopped" in last["text/plain"]
     n = len(shown.updates)
