@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from monarch_kernel.errors import compact_ranks
-from monarch_kernel.ui.status import fmt_bytes, fmt_pct, state_text
+from monarch_kernel.ui.status import fmt_bytes, fmt_pct, human_shape, plural, state_text
 
 __all__ = [
     "SNAPSHOT_VERSION",
@@ -83,24 +83,6 @@ STATE_COLORS = {"idle": "var(--jp-success-color1, #388e3c)",
                 "running": "var(--jp-brand-color1, #1976d2)",
                 "paused": "var(--jp-warn-color1, #f57c00)",
                 "dead": ERROR}
-
-
-# ------------------------------------------------------------------- words
-def _plural(n: int, name: str) -> str:
-    if n == 1 and name.endswith("s") and not name.endswith("ss"):
-        name = name[:-1]
-    return f"{n} {name}"
-
-
-def human_shape(dims: Mapping[str, int]) -> str:
-    """A mesh's shape as people write it.
-
-    ``{"hosts": 1, "procs": 4}`` -> ``"1 host x 4 procs"``; ``{"procs": 8}`` ->
-    ``"8 procs"``; ``{}`` -> ``"no ranks"``.
-    """
-    if not dims:
-        return "no ranks"
-    return " x ".join(_plural(int(n), str(name)) for name, n in dims.items())
 
 
 # -------------------------------------------------------------- collecting
@@ -309,7 +291,7 @@ def _rows_html(snap: dict[str, Any]) -> str:
             out.append(f'<tr class="mk-host"><td colspan="{ncols}" '
                        f'style="padding:4px 6px 1px;text-align:left;color:{FG}">'
                        f'<b>{_esc(host or "(starting)")}</b> &middot; '
-                       f'{_plural(n, "ranks")}</td></tr>')
+                       f'{plural(n, "ranks")}</td></tr>')
         cls = f"mk-row mk-r{f['rank']}" + (" mk-dead" if f["dead"] else "")
         cells = [f'<td style="padding:1px 6px;text-align:left"><b>r{f["rank"]}</b></td>',
                  _state_cell(f)]
@@ -446,7 +428,7 @@ def render_html(snap: dict[str, Any]) -> str:
     dead = t["dead"]
     head = (f'<div class="mk-header" style="margin-bottom:4px"><b>mesh</b> '
             f'<span class="mk-shape">{_esc(snap["shape"])}</span> &middot; '
-            f'{_plural(t["ranks"], "ranks")}, {t["reporting"]} reporting'
+            f'{plural(t["ranks"], "ranks")}, {t["reporting"]} reporting'
             + (f' &middot; <span class="mk-dead-ranks" style="color:{ERROR};font-weight:bold">'
                f"dead: {compact_ranks(dead)}</span>" if dead else "")
             + f' &middot; <span class="mk-status">{_esc(_status_words(snap))}</span>'
@@ -466,7 +448,7 @@ def render_text(snap: dict[str, Any]) -> str:
     at = time.strftime("%H:%M:%S", time.localtime(snap["taken_at"]))
     head = {"live": f"as of {at}", "stopped": f"mesh stopped; last state at {at}",
             "closed": f"closed; last state at {at}"}.get(snap["status"], at)
-    lines = [f"Dashboard of mesh {snap['shape']} ({head}): {_plural(t['ranks'], 'ranks')}, "
+    lines = [f"Dashboard of mesh {snap['shape']} ({head}): {plural(t['ranks'], 'ranks')}, "
              f"{t['reporting']} reporting"
              + (f", dead: {compact_ranks(t['dead'])}" if t["dead"] else "")]
     if t["cpu"] is not None:

@@ -24,7 +24,7 @@ from monarch_kernel.ui.dashboard import (
     sparkline_svg,
 )
 from monarch_kernel.ui.status import StatusTable, figures, fmt_bytes, fmt_pct, gpu_texts, state_text
-from monarch_kernel.worker.telemetry import cgroup_memory_limit
+from monarch_kernel.worker.telemetry import Sampler, cgroup_memory_limit
 
 GiB = 1 << 30
 
@@ -258,6 +258,10 @@ def test_cgroup_memory_limit(tmp_path):
     (proc / "cgroup").write_text("4:memory:/\n")
     assert cgroup_memory_limit(7, root=str(v1), proc=str(tmp_path / "proc")) is None
     assert cgroup_memory_limit(99, **kw) is None  # no such process: no limit, no error
+    # every telemetry record carries the limit (None here: no cgroup limit below the host's)
+    rec = Sampler(gpu=False).sample()
+    assert "mem_limit" in rec
+    assert rec["mem_limit"] is None or rec["mem_limit"] < rec["mem_total"]
 
 
 def test_dead_rank_shows_at_once(dashboards):
@@ -453,6 +457,7 @@ def test_status_table_columns():
     bare = [{"rank": 0, "host": "h", "pid": 1, "state": "idle"}]
     t2 = StatusTable(types.SimpleNamespace(shape=Shape({"procs": 1}), status=lambda: bare))
     assert "cpu" not in repr(t2)
+    assert "mesh 1 proc" in repr(t2) and "{" not in t2._repr_html_()  # the shape in words
     # the controller's state is current, the worker's report up to an interval old
     assert state_text("idle", "running cell") == "idle"
     assert state_text("idle", "running endpoint step") == "running endpoint step"
