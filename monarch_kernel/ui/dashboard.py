@@ -201,7 +201,8 @@ class Dashboard(widgets.VBox):
         positive, finite number of seconds, or an unknown ``layout``.
     """
 
-    #: the plain-data snapshot shown (:func:`monarch_kernel.ui.snapshot.collect`)
+    #: the plain-data snapshot shown (:func:`monarch_kernel.ui.snapshot.collect`), less
+    #: each rank's ``history`` (drawn in the HTML)
     figures = Dict().tag(sync=True)
 
     def __init__(self, mesh: Any, interval: float = 1.0, history: float = 60.0,
@@ -417,7 +418,9 @@ class Dashboard(widgets.VBox):
             self.snap = self.snapshot()
             self.html = render_html(self.snap)
             self.view.value = self.html
-            self.figures = self.snap
+            # (the sparklines' points stay out of the synced figures: the HTML has them)
+            self.figures = dict(self.snap, ranks=[
+                {k: v for k, v in f.items() if k != "history"} for f in self.snap["ranks"]])
 
     def __repr__(self) -> str:
         t = self.snap.get("totals", {})

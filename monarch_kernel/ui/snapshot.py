@@ -193,7 +193,8 @@ def collect(dims: Mapping[str, int], ranks: Iterable[int], infos: Mapping[int, A
             "gpu_mem": (gpu or {}).get("mem_used"),
             "gpu_mem_total": (gpu or {}).get("mem_total"),
             "gpu_index": (gpu or {}).get("index"),
-            "history": _history((history or {}).get(r, ()), now, span),
+            "history": (_history((history or {}).get(r, ()), now, span)
+                        if mode == "rows" else []),  # (a heat map draws none)
         })
     live = [f for f in rows if f["alive"] or f["last"]]
     largest = max((f["rss"] or 0 for f in live), default=0)
