@@ -5,10 +5,10 @@ drives Debian's Chromium (no browser download) and checks, in the light theme
 with notebooks/03_dashboard.ipynb: the dashboard's 4 rank rows update while the
 training cell runs; when the notebook stops the mesh the output becomes the
 static last state; saved and reloaded, the page shows that snapshot with its
-figures (no "model not found"). In the dark theme, with a notebook of its own:
-a live dashboard with a straggler and a dead rank; saved while live and
-re-opened with a new kernel (the widget's model is gone), the output shows the
-snapshot kept at save; nbconvert's HTML shows it too. Text contrast of the
+figures (no "model not found"). In the dark and the light theme, with a
+notebook of its own: a live dashboard with a straggler and a dead rank; saved
+while live and re-opened with a new kernel (the widget's model is gone), the
+output shows the snapshot kept at save; nbconvert's HTML shows it too. Text contrast of the
 dashboard is measured in both themes (WCAG ratio of each text element's computed
 colour against its composited background) and must be at least 4.5.
 
@@ -378,7 +378,7 @@ def test_dashboard_notebook_in_chromium(tmp_path: Path):
                 browser.close()
     finally:
         left = lab.stop()
-        (out / "contrast-light.json").write_text(json.dumps(report, indent=1))
+        (out / "contrast-light-notebook.json").write_text(json.dumps(report, indent=1))
     assert not left, f"processes left behind: {left}"
     widget_errors = [c for c in console if "widget" in c.lower() or "figures" in c]
     assert not widget_errors, widget_errors
@@ -414,15 +414,18 @@ def _notebook(cells: list[str]) -> dict:
 
 @pytest.mark.skipif(not (LABEXT / "package.json").exists(),
                     reason="the JupyterLab extension is not built (bash extensions/build.sh)")
-def test_dark_theme_and_saved_while_live(tmp_path: Path):
-    """Dark theme: contrast of a live dashboard with a straggler and a dead rank; saved
-    while live and re-opened with a new kernel, the output shows the snapshot."""
+@pytest.mark.parametrize("theme", ["JupyterLab Dark", "JupyterLab Light"])
+def test_saved_while_live_and_contrast(tmp_path: Path, theme: str):
+    """Both themes: contrast of a live dashboard with a straggler and a dead rank (the
+    error colour); saved while live and re-opened with a new kernel (the widget's model
+    is gone), the output shows the snapshot kept at save."""
     from playwright.sync_api import sync_playwright
 
     out = ARTIFACTS
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {}
-    lab = JupyterLab(tmp_path, theme="JupyterLab Dark")
+    tag = theme.split()[-1].lower()  # dark, light
+    lab = JupyterLab(tmp_path, theme=theme)
     left: list[int] = []
     try:
         lab.wait_ready()
@@ -433,8 +436,8 @@ def test_dark_theme_and_saved_while_live(tmp_path: Path):
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"{lab.base}/lab/tree/live.ipynb?token={lab.token}")
                 _wait_idle(page)
-                theme = page.evaluate("document.body.dataset.jpThemeName")
-                assert theme == "JupyterLab Dark", theme
+                shown = page.evaluate("document.body.dataset.jpThemeName")
+                assert shown == theme, shown
                 _run_all(page)
                 live = page.locator(LIVE_VIEW)
                 live.first.wait_for(timeout=90_000)
@@ -445,9 +448,9 @@ def test_dark_theme_and_saved_while_live(tmp_path: Path):
                                        timeout=60_000)
                 _wait_idle(page)
                 live.first.scroll_into_view_if_needed()
-                page.screenshot(path=str(out / "dark-live.png"))
-                assert _contrast(page, LIVE_VIEW, "dark live", report) \
-                    >= MIN_CONTRAST, report["dark live"]["worst"]
+                page.screenshot(path=str(out / f"{tag}-live-dead-rank.png"))
+                assert _contrast(page, LIVE_VIEW, f"{tag} live", report) \
+                    >= MIN_CONTRAST, report[f"{tag} live"]["worst"]
                 _save(page)
                 # re-opened elsewhere: a copy of the saved file, with a new kernel (the
                 # widget's model does not exist there)
@@ -464,17 +467,17 @@ def test_dark_theme_and_saved_while_live(tmp_path: Path):
                 assert "saved while live" in kept.first.inner_text()
                 _no_model_errors(page)
                 kept.first.scroll_into_view_if_needed()
-                page.screenshot(path=str(out / "dark-reopened.png"))
-                assert _contrast(page, ".monarch-dashboard-view", "dark snapshot", report) \
-                    >= MIN_CONTRAST, report["dark snapshot"]["worst"]
+                page.screenshot(path=str(out / f"{tag}-saved-while-live-reopened.png"))
+                assert _contrast(page, ".monarch-dashboard-view", f"{tag} snapshot", report) \
+                    >= MIN_CONTRAST, report[f"{tag} snapshot"]["worst"]
             except BaseException:
-                page.screenshot(path=str(out / "dark-failure.png"))
-                print(f"failure screenshot: {out / 'dark-failure.png'}")
+                page.screenshot(path=str(out / f"{tag}-live-failure.png"))
+                print(f"failure screenshot: {out / f'{tag}-live-failure.png'}")
                 raise
             finally:
                 browser.close()
     finally:
         left = lab.stop()
-        (out / "contrast-dark.json").write_text(json.dumps(report, indent=1))
+        (out / f"contrast-{tag}-live.json").write_text(json.dumps(report, indent=1))
     assert not left, f"processes left behind: {left}"
-    _check_nbconvert(lab.work / "copy.ipynb", out / "saved-while-live.html", 2)
+    _check_nbconvert(lab.work / "copy.ipynb", out / f"saved-while-live-{tag}.html", 2)
