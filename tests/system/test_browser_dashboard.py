@@ -237,8 +237,9 @@ def _contrast(page, selector: str, name: str, report: dict) -> float:
 
 
 def _wait_idle(page, timeout: float = 90_000) -> None:
-    page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]',
-                           timeout=timeout)
+    """The notebook in front is idle (a tab behind it has an indicator of its own)."""
+    page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"] >> visible=true') \
+        .first.wait_for(timeout=timeout)
 
 
 def _save(page) -> None:
