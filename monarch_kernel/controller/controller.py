@@ -31,6 +31,7 @@ thread that leads, outside the controller's lock; they must not block.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import sys
@@ -45,7 +46,7 @@ from monarch_kernel.controller import batching
 from monarch_kernel.controller.batching import Batcher
 from monarch_kernel.controller.io import ControllerIO, spin_seconds
 from monarch_kernel.controller.output_pipes import RankOutput
-from monarch_kernel.controller.request import RankInfo, Request
+from monarch_kernel.controller.request import RankInfo, Request, request_label
 from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError, ranks_label
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
@@ -83,6 +84,8 @@ SWEEP_AFTER_DEATH_S = (0.0, 11.0)
 #: files younger than this (seconds) are left by a sweep (one being made may not
 #: be locked yet)
 SWEEP_MIN_AGE_S = 10.0
+#: cells and endpoint calls kept in Controller.recent (the dashboard's timeline)
+RECENT_REQUESTS = 20
 
 
 class Controller:
@@ -206,6 +209,9 @@ class Controller:
         #: failures of meshes spawned by actors that no __supervise__ handled
         self.unhandled: list[str] = []
         self.listeners: list[Callable[[str, int, Any], None]] = []
+        #: the last RECENT_REQUESTS cells and endpoint calls (requests with a label),
+        #: oldest first, with their per-rank reply times (the dashboard's timeline)
+        self.recent: collections.deque[Request] = collections.deque(maxlen=RECENT_REQUESTS)
         #: the I/O: sockets, lanes, heartbeats, leader/follower (monarch_kernel.controller.io)
         self.io = ControllerIO(self, self.router, self.pull, self._closed, spin_s)
         self.engine: Engine = self.io.engine
@@ -383,8 +389,10 @@ class Controller:
         with cuda_ipc(local and len(ranks) == 1):  # one process on this host
             frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
                                        shm_out=names)
-        req = Request(mid, ranks)
+        req = Request(mid, ranks, request_label(type, content))
         req.waiter = self.wait_for
+        if req.label:
+            self.recent.append(req)
         if names:  # remove the shared-memory files once every rank answered
             codec = self.codec
 
@@ -738,6 +746,7 @@ class Controller:
             req = self.pending.get(parent or "")
             if req is not None and req._reply_pending(rank):
                 req.replies[rank] = (status, value)
+                req.reply_at[rank] = time.monotonic()
                 if len(req.replies) >= len(req.ranks):
                     self.pending.pop(req.id, None)
                     finished = req

@@ -25,7 +25,29 @@ from monarch_kernel.wire import messages
 
 log = logging.getLogger("monarch_kernel.controller.controller")
 
-__all__ = ["Pipe", "RankInfo", "Request"]
+__all__ = ["Pipe", "RankInfo", "Request", "request_label"]
+
+
+def request_label(type: str, content: Any) -> str:
+    """What a request is, in a few words, for the dashboard's timeline.
+
+    ``execute`` gives ``"cell N"`` for a mesh cell (``<mesh-cell-N>`` or a
+    ``label`` in the content) and the file name otherwise; ``call`` gives
+    ``"endpoint NAME"``; every other type gives ``""`` (not shown).
+    """
+    if not isinstance(content, dict):
+        return ""
+    if type == "execute":
+        label = content.get("label")
+        if isinstance(label, str) and label:
+            return label
+        name = str(content.get("filename") or "")
+        if name.startswith("<mesh-cell-") and name.endswith(">"):
+            return "cell " + name[len("<mesh-cell-"):-1]
+        return name.strip("<>") or "cell"
+    if type == "call":
+        return f"endpoint {content.get('m', '?')}"
+    return ""
 
 
 @dataclass
@@ -98,11 +120,21 @@ class Request:
         tuples, in arrival order, while the request runs; ``("done",)`` last.
     failure : MeshFailure or None
         Set when a rank died before replying.
+    label : str
+        What it is, for people (``"cell 3"``, ``"endpoint step"``; see
+        :func:`request_label`); empty for internal requests.
+    sent_at : float
+        ``time.monotonic()`` when it was made.
+    reply_at : dict of int to float
+        Per rank: ``time.monotonic()`` when its reply arrived.
     """
 
-    def __init__(self, id: str, ranks: Iterable[int]) -> None:
+    def __init__(self, id: str, ranks: Iterable[int], label: str = "") -> None:
         self.id = id
         self.ranks = list(ranks)
+        self.label = label
+        self.sent_at = time.monotonic()
+        self.reply_at: dict[int, float] = {}
         #: the fingerprint of the mesh a worker's call went to, when not its own
         #: (mesh_keys.py); None for the controller's requests and a worker's own mesh
         self.mesh: str | None = None
@@ -162,6 +194,7 @@ class Request:
 
     def _reply(self, rank: int, status: str, value: Any) -> bool:
         self.replies[rank] = (status, value)
+        self.reply_at.setdefault(rank, time.monotonic())
         if len(self.replies) >= len(self.ranks):
             self._finish()
             return True

@@ -9,6 +9,7 @@ its kernel.
 from __future__ import annotations
 
 import builtins
+import sys
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
@@ -119,4 +120,9 @@ class MonarchKernel(IPythonKernel):
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
         self.mesh_sidebar.close()
         self.mesh_magics.stop_all()
+        # dashboards of meshes stopped above froze already; any other keeps its last
+        # state in the notebook's output too (only if one was ever made: no import here)
+        dashboards = sys.modules.get("monarch_kernel.ui.dashboard")
+        if dashboards is not None:
+            dashboards.freeze_all()
         return super().do_shutdown(restart)

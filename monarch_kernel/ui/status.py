@@ -28,6 +28,8 @@ __all__ = [
     "fmt_bytes",
     "fmt_pct",
     "gpu_texts",
+    "human_shape",
+    "plural",
     "state_text",
 ]
 
@@ -36,6 +38,24 @@ COLUMNS = [("rank", "rank"), ("host", "host"), ("pid", "pid"), ("state", "state"
            ("gpu", "gpu"), ("gpu_mem", "gpu mem"), ("msgs", "msgs in/out")]
 
 NO_GPU = "no GPU"
+
+
+def plural(n: int, name: str) -> str:
+    """``(1, "hosts")`` -> ``"1 host"``; ``(4, "procs")`` -> ``"4 procs"``."""
+    if n == 1 and name.endswith("s") and not name.endswith("ss"):
+        name = name[:-1]
+    return f"{n} {name}"
+
+
+def human_shape(dims: Any) -> str:
+    """A mesh's shape as people write it.
+
+    ``{"hosts": 1, "procs": 4}`` -> ``"1 host x 4 procs"``; ``{"procs": 8}`` ->
+    ``"8 procs"``; ``{}`` -> ``"no ranks"``.
+    """
+    if not dims:
+        return "no ranks"
+    return " x ".join(plural(int(n), str(name)) for name, n in dict(dims).items())
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -164,7 +184,8 @@ class StatusTable:
                             if c[0] in ("rank", "host", "job", "pid", "state", "msgs")]
 
     def _label(self) -> str:
-        return f"{self.name!r} {self.dims}" if self.name else str(self.dims)
+        shape = human_shape(self.dims)
+        return f"{self.name!r} ({shape})" if self.name else shape
 
     def _cells(self, row: dict[str, Any]) -> list[str]:
         f = figures(row)

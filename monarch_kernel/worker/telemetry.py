@@ -20,6 +20,10 @@ A record (the message content) is a plain dict:
                     costly figure), None where the platform has none
 ``threads``         OS threads of the process
 ``mem_total``       the host's physical memory, bytes
+``mem_limit``       the memory limit of the process's cgroup (v2 ``memory.max``,
+                    v1 ``memory.limit_in_bytes``; the smallest along the
+                    cgroup's path), bytes; None when there is none (or it is
+                    no smaller than the host's memory)
 ``gpu``             None without a usable GPU, else a dict: ``index`` (NVML
                     device index), ``name``, ``util`` (%), ``mem_used`` and
                     ``mem_total`` (bytes, whole device), ``proc_mem`` (bytes
@@ -71,6 +75,7 @@ __all__ = [
     "Sampler",
     "TelemetryThread",
     "activity",
+    "cgroup_memory_limit",
     "current_activity",
     "request_activity",
     "set_activity",
@@ -153,6 +158,74 @@ def current_activity() -> str:
 def request_activity(msg_type: str) -> str:
     """The activity shown while the main thread handles request ``msg_type``."""
     return REQUEST_ACTIVITY.get(msg_type, f"handling {msg_type}")
+
+
+# -------------------------------------------------------------- memory limit
+#: cgroup v1 writes "no limit" as a huge number (2**63 rounded down to a page)
+_V1_UNLIMITED = 1 << 60
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text.isdigit():  # "max" (v2): no limit here
+        return None
+    value = int(text)
+    return value if 0 < value < _V1_UNLIMITED else None
+
+
+def cgroup_memory_limit(pid: int | None = None, root: str = "/sys/fs/cgroup",
+                        proc: str = "/proc") -> int | None:
+    """The memory limit of process ``pid``'s cgroup, in bytes, or None.
+
+    Reads ``<proc>/<pid>/cgroup``; for cgroup v2 (the ``0::PATH`` line) the
+    ``memory.max`` files of PATH and of every cgroup above it under ``root``;
+    for v1 (the ``memory`` controller's line) ``memory.limit_in_bytes`` under
+    ``<root>/memory``. The smallest limit found wins (a parent's limit binds
+    its children). A path that is not visible from here (a cgroup namespace
+    shows ``/``) falls back to the mount's own files. Never raises.
+
+    Parameters
+    ----------
+    pid : int, optional
+        The process (default: this one).
+    root, proc : str
+        Where cgroupfs and procfs are mounted (tests point them elsewhere).
+    """
+    try:
+        with open(os.path.join(proc, str(pid or os.getpid()), "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            base, name = root, "memory.max"
+            if not os.path.exists(os.path.join(root, "cgroup.controllers")):
+                base = os.path.join(root, "unified")
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        rel = path.strip("/")
+        dirs = []
+        while True:
+            dirs.append(os.path.join(base, rel) if rel else base)
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+        for d in dirs:
+            value = _read_limit(os.path.join(d, name))
+            if value is not None:
+                found.append(value)
+    return min(found) if found else None
 
 
 # ----------------------------------------------------------------------- GPU
@@ -327,11 +400,16 @@ class Sampler:
         self._gpu: GpuProbe | None = gpu if isinstance(gpu, GpuProbe) else None
         self._want_gpu = bool(gpu)
         self.mem_total = int(psutil.virtual_memory().total)
+        self.mem_limit = self._mem_limit()
         self.seq = 0
         self._uss: int | None = None
         self._uss_at = -float("inf")
         self._last_cpu = self._cpu_seconds()
         self._last_t = time.monotonic()
+
+    def _mem_limit(self) -> int | None:
+        limit = cgroup_memory_limit(self.pid)
+        return limit if limit is not None and limit < self.mem_total else None
 
     def _cpu_seconds(self) -> float:
         t = self.proc.cpu_times()
@@ -375,6 +453,8 @@ class Sampler:
         if self.uss_every and now - self._uss_at >= self.uss_every:
             self._uss_at = now
             self._uss = self._read_uss()
+            if self.seq:
+                self.mem_limit = self._mem_limit()  # (rarely changes: read with USS)
         probe = self.gpu
         rec: dict[str, Any] = {
             "activity": current_activity() if self.pid == os.getpid() else "",
@@ -383,6 +463,7 @@ class Sampler:
             "uss": self._uss,
             "threads": threads,
             "mem_total": self.mem_total,
+            "mem_limit": self.mem_limit,
             "gpu": probe.sample() if probe is not None else None,
             "seq": self.seq,
         }

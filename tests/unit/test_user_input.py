@@ -33,7 +33,7 @@ from monarch_kernel.mesh import procmesh
 from monarch_kernel.mesh.procmesh import MAX_RANKS_PER_CPU, host_capacity, spawn_procs
 from monarch_kernel.mesh.shape import Shape, parse_ranks
 from monarch_kernel.testing.kernel import assert_no_workers, worker_pids
-from monarch_kernel.ui import dashboard
+from monarch_kernel.ui import dashboard, snapshot
 from monarch_kernel.util.numbers import check_number
 
 BAD_NUMBERS = ["nan", "inf", "-inf", "-1", "NaN", "1e400"]
@@ -64,7 +64,7 @@ def test_ranks_label():
 def test_one_function_writes_ranks_everywhere():
     assert console.compact_ranks is errors.compact_ranks
     assert console.ranks_label is errors.ranks_label
-    assert dashboard.compact_ranks is errors.compact_ranks
+    assert snapshot.compact_ranks is errors.compact_ranks  # (what the dashboard draws)
     assert not hasattr(ranks, "plural") and not hasattr(dashboard, "_ranges")
     lines: list[str] = []
     req = type("R", (), {"replies": {2: ("error", {"type": "bdb.BdbQuit"}),

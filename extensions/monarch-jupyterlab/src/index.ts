@@ -6,10 +6,12 @@
 import { JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { rankstreamPlugin } from './rankstreamPlugin';
 import { sidebarPlugin } from './sidebar';
+import { snapshotPlugin } from './snapshotPlugin';
 
 const PLUGINS: JupyterFrontEndPlugin<any>[] = [
   rankstreamPlugin,
   sidebarPlugin,
+  snapshotPlugin,
 ];
 
 export default PLUGINS;
