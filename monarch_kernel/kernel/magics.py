@@ -37,7 +37,7 @@ from monarch_kernel.mesh.procmesh import ProcMesh, check_spawn, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.transport.sockets import max_message_bytes
-from monarch_kernel.ui.status import StatusTable
+from monarch_kernel.ui.status import StatusTable, human_shape
 from monarch_kernel.util.cells import cell_filename
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
@@ -223,7 +223,7 @@ class MeshMagics(Magics):
             raise UsageError(f"%mesh spawn: {_force_hint(str(e))}") from None
         old = self.meshes.pop(a.name, None)
         if old is not None and not old.root._stopped:
-            print(f"stopping the previous mesh {a.name!r} {old.shape.dims}")
+            print(f"stopping the previous mesh {a.name!r} ({human_shape(old.shape.dims)})")
             old.stop()
         t0 = time.monotonic()
         try:
@@ -239,7 +239,7 @@ class MeshMagics(Magics):
         self.current = a.name
         self.ip.user_ns[a.name] = m
         dist = f", torch.distributed {a.dist}" if a.dist != "none" else ""
-        print(f"mesh {a.name!r}: {len(m)} ranks {m.shape.dims} ready in "
+        print(f"mesh {a.name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) ready in "
               f"{time.monotonic() - t0:.2f} s{dist}")
         return None
 
@@ -262,7 +262,7 @@ class MeshMagics(Magics):
             m = self._adopt(a.name)
             adopted = " (made with spawn_procs: the %mesh magics use it from now on)"
         self.current = a.name
-        print(f"mesh {a.name!r} ({len(m)} ranks {m.shape.dims}) is now the current "
+        print(f"mesh {a.name!r} ({len(m)} ranks, {human_shape(m.shape.dims)}) is now the current "
               f"mesh{adopted}")
 
     def _adopt(self, name: str) -> ProcMesh:
