@@ -31,8 +31,9 @@ __all__ = ["Pipe", "RankInfo", "Request", "request_label"]
 def request_label(type: str, content: Any) -> str:
     """What a request is, in a few words, for the dashboard's timeline.
 
-    ``execute`` gives ``"cell N"`` for a mesh cell (``<mesh-cell-N>`` or a
-    ``label`` in the content) and the file name otherwise; ``call`` gives
+    ``execute`` gives the ``label`` in the content, else ``"cell N"`` for a
+    ``<mesh-cell-N>`` file name, else the file name without its brackets (a
+    notebook cell's ``<Cell In[N]>`` gives ``"Cell In[N]"``); ``call`` gives
     ``"endpoint NAME"``; every other type gives ``""`` (not shown).
     """
     if not isinstance(content, dict):

@@ -179,7 +179,7 @@ def test_dashboard_live_through_the_kernel(kernel: KernelSession):
     _ok(w.execute("%%mesh\nimport time\ntime.sleep(2.0 if rank == 2 else 0.1)"))
     w.pump(1.5)
     tl = w.models[dash_id]["figures"]["timeline"]
-    assert [e["label"].split(" ")[0] for e in tl[-2:]] == ["cell", "cell"], tl
+    assert [e["label"].split(" ")[0] for e in tl[-2:]] == ["Cell", "Cell"], tl
     busy, slow = tl[-2], tl[-1]
     assert list(busy["ranks"]) == ["1"] and busy["ranks"]["1"] >= 2.5
     assert slow["slowest"] == 2 and slow["straggler"], slow

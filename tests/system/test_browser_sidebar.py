@@ -75,13 +75,7 @@ def test_sidebar_lists_states_docks_dashboard_and_restarts_a_rank(tmp_path, monk
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    if (BUILD / "package.json").exists():  # this checkout's build first, as a venv link
-        jp = tmp_path / "jupyter-path"
-        (jp / "labextensions").mkdir(parents=True)
-        (jp / "labextensions" / EXT_NAME).symlink_to(BUILD)
-        monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
-            [str(jp), *filter(None, [os.environ.get("JUPYTER_PATH")])]))
-    lab = JupyterLab(tmp_path)
+    lab = JupyterLab(tmp_path)  # (with this checkout's build of the extension, if any)
     left: list[int] = []
     console: list[str] = []
     try:
