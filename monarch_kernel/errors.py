@@ -164,11 +164,12 @@ class SpawnInterrupted(KeyboardInterrupt):
     A ``KeyboardInterrupt`` (``except KeyboardInterrupt`` still catches it) whose
     message says in one line what was interrupted and what is left, e.g.
     ``"spawn interrupted: 2 of 4 ranks had started; nothing is left running"``;
-    IPython shows that line instead of a traceback through the spawn's waits.
+    IPython shows ``SpawnInterrupted: `` and that line instead of a traceback
+    through the spawn's waits.
     """
 
     def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[1;31mKeyboardInterrupt\x1b[0m: {self}"]
+        return [f"\x1b[1;31mSpawnInterrupted\x1b[0m: {self}"]
 
 
 class SerializationError(MonarchError):
