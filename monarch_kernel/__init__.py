@@ -29,7 +29,8 @@ _EXPORTS = {
     "Ref": "tensors.handles", "device_mesh": "tensors.store", "RDMABuffer": "tensors.buffer",
     "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
     "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
-    "SerializationError": "errors", "TransportError": "errors",
+    "SerializationError": "errors", "TransportError": "errors", "NoMeshError": "errors",
+    "RankSpecError": "errors", "SpawnInterrupted": "errors", "CollectiveAborted": "errors",
 }
 
 __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
@@ -37,7 +38,8 @@ __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
     "Actor", "ActorMesh", "endpoint", "Future", "current_rank", "current_size",
     "WaitCycleError", "Ref", "device_mesh", "RDMABuffer",
     "MonarchError", "MeshError", "MeshFailure", "RemoteError", "ActorError", "ProtocolError",
-    "SerializationError", "TransportError",
+    "SerializationError", "TransportError", "NoMeshError", "RankSpecError",
+    "SpawnInterrupted", "CollectiveAborted",
 ]
 
 

@@ -13,8 +13,14 @@ style of httpx's ``_exceptions.py``::
     │   ├── RankSpecError      a ``--ranks`` spec names no valid rank
     │   └── MeshFailure        a rank died, stopped, or stopped answering
     ├── SerializationError     a value could not be pickled or unpickled
-    └── RemoteError            an exception raised on a rank
-        └── ActorError         an exception raised in an actor endpoint
+    ├── RemoteError            an exception raised on a rank
+    │   └── ActorError         an exception raised in an actor endpoint
+    └── CollectiveAborted      a torch.distributed call waited for a rank that quit
+                               its debugger, and was aborted (also a RuntimeError)
+
+Each public class is exported at the top of the package and names itself so
+(``__module__`` is ``"monarch_kernel"``): messages and tracebacks read
+``monarch_kernel.SerializationError``, never an internal module path.
 
 ``RemoteError`` instances built by :func:`remote_exception` are also instances
 of the original exception's type, so ``except ZeroDivisionError`` works on the
@@ -38,6 +44,7 @@ from typing import Any, Protocol, TypeVar, cast, overload
 
 __all__ = [
     "ActorError",
+    "CollectiveAborted",
     "MeshError",
     "MeshFailure",
     "MonarchError",
@@ -164,11 +171,12 @@ class SpawnInterrupted(KeyboardInterrupt):
     A ``KeyboardInterrupt`` (``except KeyboardInterrupt`` still catches it) whose
     message says in one line what was interrupted and what is left, e.g.
     ``"spawn interrupted: 2 of 4 ranks had started; nothing is left running"``;
-    IPython shows that line instead of a traceback through the spawn's waits.
+    IPython shows ``SpawnInterrupted: `` and that line instead of a traceback
+    through the spawn's waits.
     """
 
     def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[1;31mKeyboardInterrupt\x1b[0m: {self}"]
+        return [f"\x1b[1;31mSpawnInterrupted\x1b[0m: {self}"]
 
 
 class SerializationError(MonarchError):
@@ -215,6 +223,8 @@ class RemoteError(MonarchError):
 
     def __str__(self) -> str:
         base = self._remote_message()
+        if getattr(type(self), "_names_ranks", False):  # (CollectiveAborted)
+            return base
         label = f"{ranks_label(getattr(self, 'ranks', []))}: "
         # an error let through the rank it came from (another actor of that rank, or
         # a wait cycle's way back) is labelled once: "rank 1: rank 1: x" reads "rank 1: x"
@@ -292,6 +302,27 @@ class ActorError(RemoteError):
     """An exception raised inside an actor endpoint (see :class:`RemoteError`)."""
 
 
+class CollectiveAborted(MonarchError, RuntimeError):
+    """A ``torch.distributed`` call on a rank waited for a rank that quit its
+    debugger, and was aborted (it could never have finished).
+
+    Its message names both the ranks that quit and the ranks whose calls were
+    aborted, so a remote error of this type is shown without a second rank
+    list in front of it. A ``RuntimeError``, as the aborted call's own error was.
+    """
+
+    #: the message names the ranks itself (see RemoteError.__str__)
+    _names_ranks = True
+
+
+# the public classes name the package, where users import them from (exported there)
+for _cls in (MonarchError, ProtocolError, TransportError, MeshError, NoMeshError,
+             RankSpecError, MeshFailure, SpawnInterrupted, SerializationError, RemoteError,
+             ActorError, CollectiveAborted):
+    _cls.__module__ = "monarch_kernel"
+del _cls
+
+
 def ranks_label(ranks: list[int]) -> str:
     """How messages name ``ranks``: ``"rank 3"``, ``"ranks 0-3"``, ``"ranks 0, 2, 3"``,
     ``"remote"`` (none); each rank once, in order (see :func:`compact_ranks`)."""
@@ -331,23 +362,39 @@ _subclass_cache: dict[tuple[type, type], type[RemoteError] | None] = {}
 _subclass_lock = threading.Lock()
 
 
+class _RemoteClass(type):
+    """The metaclass of the classes :func:`remote_exception` makes: such a class has
+    the original's name (``except`` clauses, IPython's ``ename`` and tracebacks
+    read as on the rank) and says in its repr that it stands for the remote one,
+    e.g. ``<remote class 'shards.ShardCorrupt'>``, so that its ``__mro__``
+    (``remote ShardCorrupt, RemoteError, MonarchError, ShardCorrupt, ...``) does
+    not seem to name one class twice."""
+
+    def __repr__(cls) -> str:
+        mod = cls.__module__
+        name = cls.__qualname__ if mod in ("builtins", "__main__") else \
+            f"{mod}.{cls.__qualname__}"
+        return f"<remote class {name!r}>"
+
+
 def _remote_subclass(base: type[RemoteError],
                      exc_type: type[BaseException]) -> type[RemoteError] | None:
     key = (base, exc_type)
     with _subclass_lock:
         if key in _subclass_cache:
             return _subclass_cache[key]
-        cls: type[RemoteError] | None
-        try:
-            cls = cast("type[RemoteError]", type(
-                exc_type.__name__,
-                (base, exc_type),
-                {"__module__": exc_type.__module__, "__str__": RemoteError.__str__,
-                 "__reduce__": RemoteError.__reduce__,
-                 "_monarch_base": base, "_monarch_original": exc_type},
-            ))
-        except TypeError:  # layout conflict (e.g. two C-level exception bases)
-            cls = None
+        cls: type[RemoteError] | None = None
+        ns = {"__module__": exc_type.__module__, "__qualname__": exc_type.__qualname__,
+              "__str__": RemoteError.__str__, "__reduce__": RemoteError.__reduce__,
+              "_monarch_base": base, "_monarch_original": exc_type}
+        # (plain type where the original has a metaclass of its own)
+        for meta in (_RemoteClass, type):
+            try:
+                cls = cast("type[RemoteError]", meta(exc_type.__name__, (base, exc_type),
+                                                     dict(ns)))
+                break
+            except TypeError:  # layout conflict (e.g. two C-level exception bases)
+                cls = None
         _subclass_cache[key] = cls
         return cls
 

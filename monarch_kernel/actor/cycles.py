@@ -103,6 +103,9 @@ class WaitCycleError(RuntimeError):
     """
 
 
+WaitCycleError.__module__ = "monarch_kernel"  # (exported there: what tracebacks name)
+
+
 class _Tracked:
     """A call made by an actor, queued or running on an actor of this worker."""
 

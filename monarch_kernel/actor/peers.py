@@ -506,8 +506,8 @@ def answer(w: Any, mid: str, c: Call, route: list[bytes] | None, status: str,
             frames = host.codec.encode("reply", reply_content(status, value), parent=mid)
         except SerializationError as e:  # (too large, say): the caller gets why, not a hang
             frames = host.codec.encode("reply", Reply(status="error", value=Failure(
-                type="monarch_kernel.errors.SerializationError", traceback="",
-                message=f"rank {w.rank}: the result of {c.get(METHOD)!r} cannot be sent "
+                type="monarch_kernel.SerializationError", traceback="",
+                message=f"the result of {c.get(METHOD)!r} cannot be sent "
                         f"back: {e}", exc=None)), parent=mid)
         host.reply_to(route, frames)
 

@@ -47,7 +47,13 @@ from monarch_kernel.controller.batching import Batcher
 from monarch_kernel.controller.io import ControllerIO, spin_seconds
 from monarch_kernel.controller.output_pipes import RankOutput
 from monarch_kernel.controller.request import RankInfo, Request, request_label
-from monarch_kernel.errors import MeshFailure, ProtocolError, TransportError, ranks_label
+from monarch_kernel.errors import (
+    MeshFailure,
+    ProtocolError,
+    SerializationError,
+    TransportError,
+    ranks_label,
+)
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
 from monarch_kernel.transport.sockets import (
@@ -668,10 +674,11 @@ class Controller:
                 # a signed reply that does not unpickle here (a CUDA tensor on a host
                 # without GPU, an exception class only the workers have): an error
                 # reply, never a request that waits forever
+                # (the message names no rank: ranks that fail alike are shown as one)
+                text = f"a reply cannot be decoded here: {e}"
                 status, value = "error", {
-                    "type": "monarch_kernel.errors.SerializationError", "traceback": "",
-                    "message": f"the reply of rank {rank} cannot be decoded here: {e}",
-                    "exc": None}
+                    "type": "monarch_kernel.SerializationError", "traceback": "",
+                    "message": text, "exc": SerializationError(text)}
             if msg.pooled:  # copied out of the rank's pooled files: it may reuse them
                 info.shm_files.update(msg.pooled)
                 self.notify([rank], "shm_done", {"names": msg.pooled})

@@ -24,7 +24,7 @@ from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.output import RankPrinter
 from monarch_kernel.debug.console import DebugConsole, report_quits
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.errors import raise_request_failures
+from monarch_kernel.errors import CollectiveAborted, raise_request_failures
 from monarch_kernel.kernel.commands import command
 from monarch_kernel.mesh.dist_setup import (
     QuitWatch,
@@ -104,10 +104,12 @@ def finish_cell(m: ProcMesh, req: Request, write: Callable[[str], None]) -> list
     text = aborted_message(quit_ranks or watch.quit_ranks, watch.aborted, restored)
     for r in aborted:
         value = req.replies[r][1]
+        # (no description of the torch error it replaces: it is rebuilt from exc)
         req.replies[r] = ("error", {
-            **value, "exc": None, "type": "CollectiveAborted", "message": text,
+            **value, "exc": CollectiveAborted(text), "tree": None,
+            "type": "monarch_kernel.CollectiveAborted", "message": text,
             "traceback": _user_frames(str(value.get("traceback", ""))) +
-            f"CollectiveAborted: {text}\n"})
+            f"monarch_kernel.CollectiveAborted: {text}\n"})
     if not aborted:  # (all of them ended by themselves meanwhile)
         write(text + "\n")
     return quit_ranks

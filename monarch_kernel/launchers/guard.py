@@ -20,6 +20,12 @@ one line per event on its stdin:
     commands run at once, the ``kill`` ones ``grace`` seconds later.
 ``drop KEY``
     forget the ``onexit`` entry ``KEY`` (the job ended normally).
+``rmdir PATH``
+    a directory of the controller's (its private directory for Unix sockets,
+    named ``mk-PID-...``) to remove if the controller ends first: a
+    controller killed with SIGKILL (a kernel shut down "now") cannot remove it.
+``keep PATH``
+    forget ``rmdir PATH`` (the controller removes it itself).
 
 When the controller ends (its pidfd becomes readable, or stdin reaches end
 of file: the controller closed it, or died), every watched worker's process
@@ -43,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +132,7 @@ class _Watch:
         self.workers: set[int] = set()
         self.polled: set[int] = set()  # workers without a pidfd: looked at every 0.1 s
         self.onexit: dict[str, dict[str, list[list[str]]]] = {}
+        self.dirs: set[str] = set()  # removed when the controller ends
         self.pending: dict[int, float] = {}  # pgid -> when SIGKILL is due
         self.ended: set[int] = set()  # workers that ended in this round
         self.buf = b""
@@ -166,6 +174,10 @@ class _Watch:
             self.onexit[key] = json.loads(spec)
         elif verb == "drop":
             self.onexit.pop(rest.strip(), None)
+        elif verb == "rmdir" and os.path.basename(rest).startswith("mk-"):
+            self.dirs.add(rest)
+        elif verb == "keep":
+            self.dirs.discard(rest)
 
     def end_groups(self) -> None:
         """SIGTERM what is left of the groups of the workers that ended."""
@@ -252,6 +264,8 @@ class _Watch:
             groups = _signal_trees(groups, 0)
         _signal_trees(groups, signal.SIGKILL)
         self._run_all("kill")
+        for path in self.dirs:  # (after the workers, which may still use its sockets)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,6 +306,7 @@ class Guardian:
         self.proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._onexit: dict[str, str] = {}
+        self._dirs: list[str] = []
 
     @property
     def pid(self) -> int | None:
@@ -311,6 +326,8 @@ class Guardian:
             )
             for line in self._onexit.values():
                 self._write(line)
+            for path in self._dirs:
+                self._write(f"rmdir {path}")
             return True
 
     def _write(self, line: str) -> None:
@@ -340,6 +357,19 @@ class Guardian:
             self._onexit[key] = line
             self._write(line)
 
+    def remove_on_exit(self, path: str) -> None:
+        """Remove directory ``path`` (a private directory of this process, named
+        ``mk-PID-...`` by :func:`~monarch_kernel.transport.sockets.private_dir`;
+        other names are ignored) if this process ends before :meth:`close`:
+        killed, it cannot remove it itself. Told to the guardian when it runs
+        (now, or when it is started)."""
+        if "\n" in path or not os.path.basename(path).startswith("mk-"):
+            return
+        with self._lock:
+            if path not in self._dirs:
+                self._dirs.append(path)
+                self._write(f"rmdir {path}")
+
     def drop(self, key: str) -> None:
         """Forget the :meth:`on_exit` entry ``key``."""
         with self._lock:
@@ -355,6 +385,9 @@ class Guardian:
             for key in self._onexit:  # (what the caller stopped itself)
                 self._write(f"drop {key}")
             self._onexit.clear()
+            for path in self._dirs:  # (the caller removes those itself when it closes)
+                self._write(f"keep {path}")
+            self._dirs.clear()
             proc, self.proc = self.proc, None
         if proc is None:
             return

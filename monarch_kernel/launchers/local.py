@@ -53,6 +53,14 @@ class LocalLauncher(Launcher):
         self.host = socket.gethostname()
         self.guard = Guardian()
 
+    def attach(self, controller: object) -> None:
+        """Remember the controller; its private directory for Unix sockets (if it
+        has one) is removed by the guardian should this process be killed."""
+        super().attach(controller)
+        ipc_dir = getattr(controller, "ipc_dir", None)
+        if isinstance(ipc_dir, str):
+            self.guard.remove_on_exit(ipc_dir)
+
     def launch(self, spec: LaunchSpec) -> None:
         spec.controller_pid = os.getpid()
         base = dict(os.environ)

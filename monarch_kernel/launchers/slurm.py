@@ -324,8 +324,13 @@ class SlurmLauncher(Launcher):
 
     # ------------------------------------------------------------- waiting
     def attach(self, controller: Any) -> None:
-        """Remember the controller (for each rank's host and pid)."""
+        """Remember the controller (for each rank's host and pid); its private
+        directory for Unix sockets, if any, is removed by the guardian should this
+        process be killed."""
         self.controller = controller
+        ipc_dir = getattr(controller, "ipc_dir", None)
+        if isinstance(ipc_dir, str):
+            self.guard.remove_on_exit(ipc_dir)
 
     def wait_started(self, timeout: float) -> None:
         """Wait while the job is queued, printing its state when it changes.

@@ -622,7 +622,8 @@ def _own_text(e: BaseException) -> str:
     :class:`RemoteError` let through) says where it was raised too."""
     # this module's frames (e.g. the SIGINT handler that raised) are not the user's
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
-    if isinstance(e, RemoteError):  # raised by a future's get(): hide that plumbing
+    if isinstance(e, RemoteError) or type(e).__module__.partition(".")[0] == "monarch_kernel":
+        # raised by a future's get() or another part of this package: hide its plumbing
         frames = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
     only = (e.format_exception_only() if isinstance(e, RemoteError)
             else traceback.format_exception_only(type(e), e))

@@ -81,6 +81,11 @@ def test_quit_while_peer_waits_in_barrier_ends_the_cell(k2):
     assert "rank 1 quit the debugger while rank 0 waited for it in a collective " \
            "(dist.barrier); its call was aborted" in err, err
     assert "set up again" in err and "CollectiveAborted" in err
+    # what a notebook's error line reads: "CollectiveAborted: rank 1 quit ..." (the
+    # class the guide names, the ranks named once)
+    e = r.error() or r.reply["content"]
+    assert e["ename"] == "CollectiveAborted", e["ename"]
+    assert e["evalue"].startswith("rank 1 quit the debugger while rank 0 waited"), e["evalue"]
     assert "pair.cc" not in err and "c10d_logger" not in err  # no torch internals
     assert "dist.barrier()" in err  # the user's line
     assert "rank 1: debugging ended with quit" in r.stream("stderr")

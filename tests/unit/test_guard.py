@@ -130,3 +130,54 @@ def test_a_guardian_that_died_is_started_again():
         assert g.ensure() and g.pid != first
     finally:
         g.close()
+
+
+#: a stand-in controller that has the guardian remove its private directory, then waits
+DIR_OWNER = r"""
+import sys, time
+from monarch_kernel.launchers.guard import Guardian
+g = Guardian(grace=0.5)
+g.remove_on_exit(sys.argv[1] + "/not-ours")  # (a name private_dir never makes: ignored)
+g.remove_on_exit(sys.argv[2])  # (told before the guardian starts: sent when it does)
+g.ensure()
+print(g.pid, flush=True)
+if sys.argv[3] == "close":
+    g.close()
+    print("closed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_controllers_private_directory_is_removed_by_its_guardian(tmp_path):
+    own = tmp_path / f"mk-{os.getpid()}-test"
+    other = tmp_path / "not-ours"
+    for d in (own, other):
+        d.mkdir()
+        (d / "up").write_text("")
+    ctl = subprocess.Popen([sys.executable, "-c", DIR_OWNER, str(tmp_path), str(own), "kill"],
+                           stdout=subprocess.PIPE)
+    guard = int(ctl.stdout.readline())  # type: ignore[union-attr]
+    try:
+        ctl.kill()  # SIGKILL: it cannot remove the directory itself
+        ctl.wait(10)
+        wait_for(lambda: not own.exists(), 10, what="the directory removed")
+        wait_for(lambda: not _alive(guard), 10, what="the guardian gone")
+        assert other.exists()
+    finally:
+        _kill([ctl.pid, guard])
+        ctl.wait(10)
+
+
+def test_a_closed_guardian_leaves_the_directory_to_its_controller(tmp_path):
+    own = tmp_path / f"mk-{os.getpid()}-test"
+    own.mkdir()
+    ctl = subprocess.Popen([sys.executable, "-c", DIR_OWNER, str(tmp_path), str(own), "close"],
+                           stdout=subprocess.PIPE)
+    guard = int(ctl.stdout.readline())  # type: ignore[union-attr]
+    try:
+        assert ctl.stdout.readline() == b"closed\n"  # type: ignore[union-attr]
+        wait_for(lambda: not _alive(guard), 10, what="the guardian gone")
+        assert own.exists()  # (a controller still running removes it when it closes)
+    finally:
+        _kill([ctl.pid, guard])
+        ctl.wait(10)

@@ -320,3 +320,110 @@ def test_endpoint_arguments_that_cannot_be_pickled_are_named(local_mesh):
     msg = str(info.value)
     assert "trainer2.step()" in msg and "kwargs['cfg']['lock'] -> _thread.lock" in msg, msg
     assert info.value.__cause__ is None
+
+
+# ------------------------------------------------------ names users see
+def _plain(lines: list[str]) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(lines))
+
+
+def test_public_errors_are_named_by_the_package_not_an_internal_module():
+    import monarch_kernel
+    from monarch_kernel.actor.cycles import WaitCycleError
+
+    for name in ("SerializationError", "RemoteError", "MeshFailure", "WaitCycleError",
+                 "SpawnInterrupted", "CollectiveAborted", "NoMeshError"):
+        cls = getattr(monarch_kernel, name)
+        assert cls.__module__ == "monarch_kernel", name
+        assert exctree.type_name(cls) == f"monarch_kernel.{name}"
+        assert pickle.loads(pickle.dumps(cls)) is cls  # (found where it says it lives)
+    assert _own(WaitCycleError("w")) == "monarch_kernel.WaitCycleError: w\n"
+    err = arrive(SerializationError("cannot load x"))
+    assert isinstance(err, SerializationError) and isinstance(err, RemoteError)
+    text = _plain(err._render_traceback_())
+    assert "rank 2 raised monarch_kernel.SerializationError" in text, text
+    assert "monarch_kernel.errors" not in text
+
+
+def test_rebuilt_class_says_it_stands_for_the_remote_one():
+    err = arrive(ShardCorrupt(3, "bad crc"))
+    cls = type(err)
+    assert cls.__name__ == "ShardCorrupt" and cls.__qualname__ == ShardCorrupt.__qualname__
+    assert repr(cls) == f"<remote class '{__name__}.ShardCorrupt'>"
+    mro = [repr(c) for c in cls.__mro__]
+    assert mro[:4] == [f"<remote class '{__name__}.ShardCorrupt'>",
+                       "<class 'monarch_kernel.RemoteError'>",
+                       "<class 'monarch_kernel.MonarchError'>",
+                       f"<class '{__name__}.ShardCorrupt'>"], mro
+    # both excepts still work, and it still pickles as itself
+    for kind in (ShardCorrupt, RemoteError):
+        try:
+            raise err
+        except kind as caught:
+            assert caught is err
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is cls and again.shard == 3
+
+
+def test_collective_aborted_names_the_ranks_once():
+    from monarch_kernel import CollectiveAborted
+
+    text = ("rank 1 quit the debugger while ranks 0, 2 waited for it in a collective "
+            "(dist.barrier); their calls were aborted. ")
+    fails = [RemoteFailure(r, CollectiveAborted(text), "monarch_kernel.CollectiveAborted",
+                           text, f"monarch_kernel.CollectiveAborted: {text}\n")
+             for r in (0, 2)]
+    err = remote_exception(fails)
+    assert isinstance(err, CollectiveAborted) and isinstance(err, RuntimeError)
+    assert type(err).__name__ == "CollectiveAborted"  # (what a notebook's error names)
+    assert str(err) == text  # no "ranks 0, 2: " in front of it
+    assert err.ranks == [0, 2]
+
+
+def test_reply_that_cannot_be_decoded_is_one_error_for_all_ranks(local_mesh, tmp_path):
+    (tmp_path / "worker_only_values.py").write_text("class Thing:\n    pass\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "import worker_only_values\nworker_only_values.Thing()")
+    with pytest.raises(SerializationError) as info:
+        local_mesh.exec(code)
+    err = info.value
+    assert isinstance(err, RemoteError) and err.ranks == sorted(local_mesh.ranks), err.ranks
+    assert not getattr(err, "others", ()), [str(o) for o in err.others]  # grouped
+    text = _plain(err._render_traceback_())
+    assert text.startswith("ranks ") and \
+        "raised monarch_kernel.SerializationError" in text, text
+    assert "monarch_kernel.errors" not in text and "worker_only_values" in text, text
+    assert local_mesh.exec("1").values() == [1] * len(local_mesh.ranks)  # the mesh is fine
+
+
+class SelfCaller(Actor):
+    @endpoint
+    def remember(self, handle):
+        self.me = handle
+
+    @endpoint
+    def ping(self):
+        return 1
+
+    @endpoint
+    def call_self(self):
+        return self.me.slice(procs=current_rank().rank).ping.call_one().get(timeout=5)
+
+
+def test_wait_cycle_error_shows_the_users_frames_and_its_public_name(local_mesh):
+    from monarch_kernel import WaitCycleError
+
+    a = local_mesh.slice(procs=slice(0, 1)).spawn("selfcaller", SelfCaller)
+    try:
+        a.remember.call(a).get(timeout=30)
+        with pytest.raises(WaitCycleError) as info:
+            a.slice(procs=0).call_self.call_one().get(timeout=30)
+    finally:
+        a.stop()
+    tb = info.value.remote_traceback
+    assert "monarch_kernel.WaitCycleError: " in tb, tb
+    assert "in call_self" in tb, tb  # the endpoint's own line
+    assert "monarch_kernel/actor" not in tb.replace("\\", "/"), tb  # no internal frames
+    assert "monarch_kernel.actor.cycles" not in _plain(info.value._render_traceback_())

@@ -236,6 +236,9 @@ def test_ctrl_c_while_a_mesh_starts_stops_its_workers_and_says_so(monkeypatch):
                         r"running", str(ei.value)), str(ei.value)
     assert ei.value.__context__ is None or ei.value.__suppress_context__
     assert len(ei.value._render_traceback_()) == 1
+    # the line names the class raised (and the one the docs name)
+    assert re.sub(r"\x1b\[[0-9;]*m", "", ei.value._render_traceback_()[0]).startswith(
+        "SpawnInterrupted: spawn interrupted: ")
     assert_no_workers(os.getpid(), timeout=10)
 
 
