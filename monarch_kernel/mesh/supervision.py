@@ -154,9 +154,11 @@ def kill_ranks(mesh: ProcMesh, ranks: list[int], wait: Any = None,
     ctl, la = root.controller, root.launcher
     pause = wait or time.sleep
 
+    runs = {r: ctl.ranks.get(r) for r in ranks}  # (a rank restarted meanwhile is spared)
+
     def alive() -> list[int]:
-        return [r for r in ranks if r in ctl.ranks
-                and ctl.ranks[r].state not in ("dead", "stopped")]
+        return [r for r in ranks if runs[r] is not None and ctl.ranks.get(r) is runs[r]
+                and ctl.ranks[r].state not in ("dead", "stopped", "starting")]
 
     targets = alive()
     if not targets or root._stopped:
@@ -203,10 +205,11 @@ def stop_survivors(mesh: ProcMesh, req: Any, on_event: Any,
         The ranks that were killed.
     """
     ctl = mesh.root.controller
+    runs = {r: ctl.ranks.get(r) for r in req.ranks}  # (a restarted rank is a new run)
 
     def running() -> list[int]:
-        return [r for r in req.ranks if r not in req.replies
-                and ctl.ranks[r].state not in ("dead", "stopped")]
+        return [r for r in req.ranks if r not in req.replies and ctl.ranks.get(r) is runs[r]
+                and ctl.ranks[r].state not in ("dead", "stopped", "starting")]
 
     def show(seconds: float) -> None:  # pass time, showing what the ranks print
         until = time.monotonic() + seconds
