@@ -61,6 +61,7 @@ __all__ = [
     "raise_request_failures",
     "ranks_label",
     "remote_exception",
+    "restart_hint",
 ]
 
 
@@ -119,6 +120,17 @@ class MeshFailure(MeshError):
         call stopped waiting for them).
     others : list of BaseException
         What other ranks raised meanwhile.
+    stopped : list of int
+        Other ranks of the same cell or call that were stopped because of this
+        failure (interrupted, or killed when they did not stop).
+    killed : list of int
+        Ranks of the same cell that the mesh killed (SIGTERM, then SIGKILL)
+        because they did not stop when interrupted: they were running C code or
+        ignored SIGINT. May include :attr:`rank` (an interrupt or a timeout that
+        had to kill it). They are dead: :attr:`restart` says how to replace them.
+    restart : str
+        How to replace the dead ranks of the mesh (``"%mesh restart 0,2  (or
+        mesh.restart('0,2'))"``), or ``""``.
     """
 
     def __init__(
@@ -142,22 +154,45 @@ class MeshFailure(MeshError):
         self.cancelled: list[int] = []
         #: ranks of the same call that were interrupted because of this failure
         self.stopped: list[int] = []
+        #: ranks of the same call that the mesh killed because they did not stop
+        self.killed: list[int] = []
+        #: how to replace the dead ranks (``%mesh restart ...``), or ""
+        self.restart = ""
+        self._noted = False  # (stopped_text added as a note once)
 
     def stopped_text(self) -> str:
-        """``"ranks 0, 2, 3 were stopped because rank 1 died"``, or ``""``."""
-        if not self.stopped:
-            return ""
-        were = "was" if len(set(self.stopped)) == 1 else "were"
-        cause = (f"{ranks_label([self.rank])} died" if self.rank is not None
+        """What happened to the other ranks of the call, in one line each:
+        ``"ranks 0, 2, 3 were stopped because rank 1 died"``; ``"ranks 0, 2 did
+        not stop after rank 1 died and were killed (...); restart ..."``; or ``""``."""
+        out = []
+        by_interrupt = self.rank is not None and self.rank in self.killed
+        cause = ("the interrupt" if by_interrupt else
+                 f"{ranks_label([self.rank])} died" if self.rank is not None
                  else "the mesh failed")
-        return f"{ranks_label(self.stopped)} {were} stopped because {cause}"
+        stopped = sorted(set(self.stopped) - set(self.killed))
+        if stopped:
+            were = "was" if len(stopped) == 1 else "were"
+            out.append(f"{ranks_label(stopped)} {were} stopped "
+                       f"{'by' if by_interrupt else 'because'} {cause}")
+        if self.killed:
+            were = "was" if len(set(self.killed)) == 1 else "were"
+            they = "it was" if len(set(self.killed)) == 1 else "they were"
+            if by_interrupt:
+                line = f"{ranks_label(self.killed)} ignored the interrupt and {were} killed"
+            else:
+                line = (f"{ranks_label(self.killed)} did not stop after {cause} and {were} "
+                        f"killed ({they} running C code or ignored the interrupt)")
+            if self.restart:
+                line += f"; restart with  {self.restart}"
+            out.append(line)
+        return "\n".join(out)
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: the failure, the ranks stopped because of it, then
         what other ranks raised."""
         lines = [f"\x1b[1;31mMeshFailure\x1b[0m: {self}"]
-        if self.stopped:
-            lines.append(self.stopped_text())
+        if self.stopped or self.killed:
+            lines.extend(self.stopped_text().split("\n"))
         for other in self.others:
             lines.append("")
             render = getattr(other, "_render_traceback_", None)
@@ -332,6 +367,23 @@ def ranks_label(ranks: list[int]) -> str:
     if len(rs) == 1:
         return f"rank {rs[0]}"
     return "ranks " + compact_ranks(rs)
+
+
+def restart_hint(dead: list[int], world_size: int) -> str:
+    """How to replace ranks ``dead`` of a mesh of ``world_size`` ranks, in a rank
+    spec that ``%mesh restart`` and ``ProcMesh.restart`` accept: ``"%mesh restart 1
+    (or mesh.restart(1))"``, ``"%mesh restart 0,2  (or mesh.restart('0,2'))"``,
+    ``"%mesh restart all  (or mesh.restart())"`` when every rank is dead; ``""``
+    for none."""
+    rs = sorted(set(dead))
+    if not rs:
+        return ""
+    if len(rs) >= world_size and rs == list(range(world_size)):
+        return "%mesh restart all  (or mesh.restart())"
+    if len(rs) == 1:
+        return f"%mesh restart {rs[0]}  (or mesh.restart({rs[0]}))"
+    spec = ",".join(str(r) for r in rs)
+    return f"%mesh restart {spec}  (or mesh.restart({spec!r}))"
 
 
 def compact_ranks(ranks: list[int]) -> str:
@@ -694,8 +746,10 @@ def raise_request_failures(req: FailedRequest, actor: str | None = None) -> None
         stopped = [f.rank for f in failures if f.type_name.rsplit(".", 1)[-1]
                    == "KeyboardInterrupt" and f.rank != failure.rank]
         failures = [f for f in failures if f.rank not in stopped]
-        if stopped and not failure.stopped:
-            failure.stopped = sorted(stopped)
+        stopped = sorted(set(stopped) | (set(failure.killed) - {failure.rank}))
+        if (stopped or failure.killed) and not getattr(failure, "_noted", False):
+            failure.stopped = stopped
+            failure._noted = True
             if sys.version_info >= (3, 11):  # (a script shows it under the failure)
                 failure.add_note(failure.stopped_text())
         if failures:  # ranks that failed too (often because of the dead one)

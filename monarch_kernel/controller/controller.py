@@ -53,6 +53,7 @@ from monarch_kernel.errors import (
     SerializationError,
     TransportError,
     ranks_label,
+    restart_hint,
 )
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
@@ -425,8 +426,11 @@ class Controller:
         """The error of a request to a dead or stopped rank (lock held)."""
         err = self.rank_failure(rank)
         if self.ranks[rank].state == "dead":
-            err.args = (f"{err.args[0]}\nRestart it with  %mesh restart {rank}  "
-                        f"(or mesh.restart({rank})).",)
+            dead = sorted(r for r, i in self.ranks.items() if i.state == "dead")
+            them = "it" if dead == [rank] else f"{ranks_label(dead)}"
+            err.args = (f"{err.args[0]}\nRestart {them} with  "
+                        f"{restart_hint(dead, len(self.ranks))}.",)
+            err.restart = restart_hint(dead, len(self.ranks))
         return err
 
     def register(self, req: Request) -> None:

@@ -80,6 +80,10 @@ class RankInfo:
     shm_files: set[str] = field(default_factory=set)
     #: the epoch of this run of the rank (its messages carry it; wire.protocol)
     epoch: int = 0
+    #: set when the mesh itself kills the rank (it did not stop when interrupted):
+    #: who killed it and why, as the failure names it ("the mesh after it ignored
+    #: the interrupt"); "" otherwise
+    killed_by: str = ""
 
     def describe_exit(self, heartbeat: float = 1.0) -> str:
         """How the rank ended, in a few words (``heartbeat``: the mesh's, in seconds)."""
@@ -93,6 +97,8 @@ class RankInfo:
                 name = signal.Signals(-self.exitcode).name
             except ValueError:
                 name = f"signal {-self.exitcode}"
+            if self.killed_by:
+                return f"was killed by {self.killed_by} ({name})"
             return f"was killed by {name}"
         return f"exited with code {self.exitcode}"
 

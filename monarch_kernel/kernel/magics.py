@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 import time
 import types
@@ -35,6 +34,7 @@ from monarch_kernel.kernel.debug_bridge import cell_console, debug_command, fini
 from monarch_kernel.kernel.rankstream import RankStreamChannel, RankStreamDisplay
 from monarch_kernel.mesh.procmesh import ProcMesh, check_spawn, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
+from monarch_kernel.mesh.supervision import KILL_AFTER_S, dead_hint, kill_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.transport.sockets import max_message_bytes
 from monarch_kernel.ui.status import StatusTable, human_shape
@@ -299,7 +299,7 @@ class MeshMagics(Magics):
         t0 = time.monotonic()
         m.restart(ranks, timeout=a.timeout)
         again = " and torch.distributed set up again" if m.dist else ""
-        print(f"restarted rank{'s' if len(ranks) > 1 else ''} {a.ranks} in "
+        print(f"restarted {ranks_label(ranks)} in "
               f"{time.monotonic() - t0:.2f} s{again}")
 
     def _cmd_push(self, argv: list[str]) -> None:
@@ -463,6 +463,7 @@ class MeshMagics(Magics):
         self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
         start = time.monotonic()
         interrupted: float | None = None
+        sent: list[int] = []  # the ranks interrupted
         killed: list[int] = []
         reason = "interrupted"
         while True:
@@ -471,34 +472,42 @@ class MeshMagics(Magics):
                 break
             except _Timeout:
                 reason = f"timed out after {timeout:g} s"
-                interrupted = self._interrupt(m, req, interrupted, killed, reason)
+                interrupted = self._interrupt(m, req, interrupted, sent, killed)
             except KeyboardInterrupt:
-                interrupted = self._interrupt(m, req, interrupted, killed, reason)
+                interrupted = self._interrupt(m, req, interrupted, sent, killed)
         printer.close()
         if shown is not None:
             shown.close()
             self._rank_display = None
         if interrupted is not None:
-            if killed:
+            if reason != "interrupted" and sent:
+                print(f"%%mesh {reason}; {ranks_label(sent)} "
+                      f"{'was' if len(sent) == 1 else 'were'} interrupted", file=sys.stderr)
+            failure = req.failure
+            if killed and failure is not None and failure.rank in killed:
+                # named with the failure (the error of the cell): one line, and how to restart
+                failure.killed = sorted(set(failure.killed) | set(killed))
+                failure.restart = dead_hint(m)
+            elif killed:
                 print(f"{ranks_label(killed)} ignored the interrupt and "
-                      f"{'was' if len(killed) == 1 else 'were'} killed", file=sys.stderr)
-            if reason != "interrupted":
-                print(f"%%mesh {reason}; {ranks_label(req.ranks)} "
-                      f"{'was' if len(req.ranks) == 1 else 'were'} interrupted", file=sys.stderr)
+                      f"{'was' if len(killed) == 1 else 'were'} killed; restart with  "
+                      f"{dead_hint(m)}", file=sys.stderr)
 
-    def _interrupt(self, m: ProcMesh, req: Request, first: float | None, killed: list[int],
-                   reason: str) -> float:
-        waiting = [r for r in req.ranks if r not in req.replies]
+    def _interrupt(self, m: ProcMesh, req: Request, first: float | None, sent: list[int],
+                   killed: list[int]) -> float:
+        """Interrupt the ranks still running ``req`` (noted in ``sent``); at a second
+        call (a second interrupt, or ranks ignoring the first one for
+        :data:`KILL_AFTER_S`), kill them (noted in ``killed``). Returns the time of
+        the first interrupt."""
+        alive = [r for r in req.ranks if r not in req.replies
+                 and m.controller.ranks[r].state not in ("dead", "stopped")]
         now = time.monotonic()
         if first is None:
-            m.interrupt(waiting)
+            m.interrupt(alive)
+            sent.extend(alive)
             return now
-        # a second interrupt, or ranks ignoring the first one for 5 s: escalate
-        if m.launcher.local:
-            m.launcher.signal(waiting, signal.SIGTERM)
-            time.sleep(0.5)
-            m.launcher.signal([r for r in waiting if r not in req.replies], signal.SIGKILL)
-        killed.extend(r for r in waiting if r not in killed)  # (each rank named once)
+        kill_ranks(m, alive)  # (returns once the controller saw them die)
+        killed.extend(r for r in alive if r not in killed)  # (each rank named once)
         return first
 
     def _pump(self, req: Request, printer: RankPrinter, start: float, timeout: float | None,
@@ -518,7 +527,7 @@ class MeshMagics(Magics):
                 paused_s = getattr(getattr(self, "_debug_console", None), "paused_s", 0.0)
                 if interrupted is None and timeout is not None and now - start - paused_s > timeout:
                     raise _Timeout
-                if interrupted is not None and now - interrupted > 5.0:
+                if interrupted is not None and now - interrupted > KILL_AFTER_S:
                     raise KeyboardInterrupt  # escalate
                 continue
             self.show_event(ev, printer)

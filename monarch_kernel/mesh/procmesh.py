@@ -42,6 +42,7 @@ from monarch_kernel.mesh.shape import Shape, ValueMesh, parse_ranks
 from monarch_kernel.mesh.supervision import (
     RESTART_POLICIES,
     Supervisor,
+    dead_hint,
     restart_ranks,
     stop_survivors,
 )
@@ -201,9 +202,14 @@ class ProcMesh:
         if req.failure is not None:  # fail fast: stop what the other ranks still run
             printer = RankPrinter(write_stream)
             try:
-                stop_survivors(self, req, lambda ev: _print_event(printer, ev))
+                killed = stop_survivors(self, req, lambda ev: _print_event(printer, ev))
             finally:
                 printer.close()
+            failure = req.failure
+            if killed:  # (a rank that did not stop: named in one line under the failure)
+                failure.killed = sorted(set(failure.killed) | set(killed))
+            if failure.killed:
+                failure.restart = dead_hint(self)
         raise_request_failures(req)
         shape = self._shape_for(req.ranks if ranks is None else ranks)
         return ValueMesh(shape, [req.replies[r][1] for r in shape.ranks])

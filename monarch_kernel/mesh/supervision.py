@@ -27,15 +27,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.actor import mesh_keys
-from monarch_kernel.errors import MESH_STOPPED, MeshError, ranks_label
+from monarch_kernel.errors import MESH_STOPPED, MeshError, ranks_label, restart_hint
 
 if TYPE_CHECKING:
     from monarch_kernel.mesh.procmesh import ProcMesh
 
 log = logging.getLogger("monarch_kernel.mesh.supervision")
 
-__all__ = ["RESTART_POLICIES", "Supervisor", "abort_survivors", "restart_ranks",
-           "stop_survivors"]
+__all__ = ["KILLED_BY", "KILL_AFTER_S", "RESTART_POLICIES", "Supervisor", "abort_survivors",
+           "dead_hint", "kill_ranks", "restart_ranks", "stop_survivors"]
 
 RESTART_POLICIES = ("never", "on-failure")
 
@@ -125,27 +125,116 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def stop_survivors(mesh: ProcMesh, req: Any, on_event: Any, grace: float = 2.0) -> None:
+#: seconds a rank may take to stop once interrupted before the mesh kills it
+#: (SIGTERM, then SIGKILL): after a rank died (:func:`stop_survivors`), after the
+#: stop button or a cell's timeout (the kernel's %%mesh magic)
+KILL_AFTER_S = 5.0
+#: seconds between the SIGTERM and the SIGKILL of :func:`kill_ranks`
+TERM_GRACE_S = 0.5
+#: how the failure of a rank that the mesh killed names its end
+KILLED_BY = "the mesh after it ignored the interrupt"
+
+
+def kill_ranks(mesh: ProcMesh, ranks: list[int], wait: Any = None,
+               timeout: float = 5.0) -> list[int]:
+    """Kill ``ranks`` of ``mesh`` that did not stop when interrupted: SIGTERM,
+    then SIGKILL :data:`TERM_GRACE_S` later to those still alive, and wait until
+    the controller has seen them die, at most ``timeout`` seconds.
+
+    Their failures say that the mesh killed them (:data:`KILLED_BY`), not an
+    outside signal. ``wait(seconds)``, when given, is called to pass time (to
+    show what the ranks print meanwhile); else the thread sleeps.
+
+    Returns
+    -------
+    list of int
+        The ranks still not seen dead when ``timeout`` passed (normally none).
+    """
+    root = mesh.root
+    ctl, la = root.controller, root.launcher
+    pause = wait or time.sleep
+
+    runs = {r: ctl.ranks.get(r) for r in ranks}  # (a rank restarted meanwhile is spared)
+
+    def alive() -> list[int]:
+        return [r for r in ranks if runs[r] is not None and ctl.ranks.get(r) is runs[r]
+                and ctl.ranks[r].state not in ("dead", "stopped", "starting")]
+
+    targets = alive()
+    if not targets or root._stopped:
+        return []
+    for r in targets:
+        ctl.ranks[r].killed_by = KILLED_BY
+    try:
+        la.signal(targets, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while alive() and time.monotonic() < deadline:
+            pause(0.02)
+        if alive():
+            la.signal(alive(), signal.SIGKILL)
+    except Exception:  # noqa: BLE001 - a launcher that cannot signal: they stay alive
+        log.exception("cannot kill %s", ranks_label(targets))
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        pause(0.02)
+    return alive()
+
+
+def dead_hint(mesh: ProcMesh) -> str:
+    """How to replace every dead rank of ``mesh``'s root mesh
+    (:func:`monarch_kernel.errors.restart_hint`), or ``""``."""
+    ctl = mesh.root.controller
+    dead = [r for r, info in ctl.ranks.items() if info.state == "dead"]
+    return restart_hint(dead, len(mesh.root.ranks))
+
+
+def stop_survivors(mesh: ProcMesh, req: Any, on_event: Any,
+                   grace: float = KILL_AFTER_S) -> list[int]:
     """After a rank of request ``req`` died: interrupt its ranks that still run
     (:func:`abort_survivors`) and hand their events (what they print) to
     ``on_event`` until they have stopped, at most ``grace`` seconds, so output
-    they wrote just before is not lost with the failed request."""
+    they wrote just before is not lost with the failed request. Ranks still
+    running it then (busy in C code, or ignoring SIGINT) are killed
+    (:func:`kill_ranks`); so is every one still running at a Ctrl-C meanwhile.
+    When this returns, no rank runs ``req`` any more (unless a launcher could
+    not kill it within 5 s).
+
+    Returns
+    -------
+    list of int
+        The ranks that were killed.
+    """
     ctl = mesh.root.controller
+    runs = {r: ctl.ranks.get(r) for r in req.ranks}  # (a restarted rank is a new run)
 
     def running() -> list[int]:
-        return [r for r in req.ranks if r not in req.replies
-                and ctl.ranks[r].state not in ("dead", "stopped")]
+        return [r for r in req.ranks if r not in req.replies and ctl.ranks.get(r) is runs[r]
+                and ctl.ranks[r].state not in ("dead", "stopped", "starting")]
+
+    def show(seconds: float) -> None:  # pass time, showing what the ranks print
+        until = time.monotonic() + seconds
+        while True:
+            ev = req.next_event(0)  # (a failed request is done: no waiting; the I/O thread reads)
+            if ev is not None:
+                on_event(ev)
+            if time.monotonic() >= until:
+                return
+            if ev is None:
+                time.sleep(0.01)
 
     abort_survivors(mesh, running())
     deadline = time.monotonic() + grace
-    while running() and time.monotonic() < deadline:
-        ev = req.next_event(0)  # (a failed request is done: no waiting; the I/O thread reads)
-        if ev is None:
-            time.sleep(0.01)
-        else:
-            on_event(ev)
+    try:
+        while running() and time.monotonic() < deadline:
+            show(0.02)
+    except KeyboardInterrupt:  # interrupted again: kill what still runs now
+        pass
+    stuck = running()
+    if stuck and not mesh.root._stopped:
+        kill_ranks(mesh, stuck, wait=show)
     while (ev := req.next_event(0)) is not None:  # what came with their replies
         on_event(ev)
+    return stuck
 
 
 def abort_survivors(mesh: ProcMesh, ranks: list[int], grace: float = 3.0) -> None:

@@ -198,13 +198,128 @@ def test_rank_ignoring_sigint_is_killed_after_5_s(ks):
     assert reply is not None and reply["content"]["status"] == "error"
     assert took is not None and took > 4.5, took  # not before its 5 s of grace (the
     # loop's 20 s deadline bounds it from above)
-    assert "rank 1 ignored the interrupt and was killed" in stderr
+    shown = stderr + "\n".join(reply["content"].get("traceback", []))
+    assert "rank 1 ignored the interrupt and was killed" in shown, shown
     time.sleep(0.5)
     while True:  # drain what is left of that cell's output
         try:
             ks.kc.get_iopub_msg(timeout=0.2)
         except Exception:  # noqa: BLE001
             break
+
+
+def rank_pids(ks, n):
+    r = ks.execute("%%mesh\nimport os\nprint('PID', rank, os.getpid())")
+    assert r.status == "ok", r.error_text()
+    pids = {}
+    for line in r.stream("stdout").splitlines():
+        if "PID" in line:
+            _, rank, pid = line.split("PID", 1)[1].split(" ")
+            pids[int(rank)] = int(pid)
+    assert sorted(pids) == list(range(n)), r.stream()
+    return pids
+
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+SURVIVORS = {
+    # busy in C code holding the GIL: SIGINT cannot reach them
+    "c-code": "sum(range(10**13))",
+    # pure Python that ignores SIGINT
+    "sig-ign": "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",
+}
+
+
+@pytest.mark.parametrize("kind", list(SURVIVORS))
+def test_survivors_that_do_not_stop_after_a_death_are_killed(ks, kind):
+    """A rank dies while the others run code that SIGINT cannot stop: they are
+    killed (the cell does not end while they still run it), the error names them
+    and how to restart, and the next cell does not wait for them."""
+    spawn(ks, "3")
+    pids = rank_pids(ks, 3)
+    code = ("%%mesh\nimport os, signal, time\nif rank == 1:\n    time.sleep(1.5)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n" + SURVIVORS[kind])
+    r, took = timed(ks, code, timeout=60)
+    assert r.status == "error" and took < 30, took
+    text = r.error_text()
+    assert "rank 1" in text and "killed by SIGKILL" in text, text
+    assert ("ranks 0, 2 did not stop after rank 1 died and were killed (they were running "
+            "C code or ignored the interrupt); restart with  %mesh restart all") in text, text
+    wait_for(lambda: all(gone(p) for p in pids.values()), 10,
+             what="no rank still runs the failed cell")
+    # the next cell fails at once, naming every dead rank
+    r, took = timed(ks, "%%mesh\nprint('next cell')", timeout=30)
+    assert r.status == "error" and took < 10, took
+    assert "was killed by the mesh after it ignored the interrupt" in r.error_text()
+    assert "Restart ranks 0-2 with  %mesh restart all" in r.error_text(), r.error_text()
+    r = ks.execute("%mesh restart all", timeout=60)
+    assert r.status == "ok", r.error_text()
+    assert "restarted ranks 0-2 in " in r.stream(), r.stream()
+    r, took = timed(ks, "%%mesh\nprint('next cell')", timeout=30)
+    assert r.status == "ok", r.error_text()
+    printed = set()  # (identical lines are grouped: "[0-2] next cell", "[0, 2] next cell")
+    for line in r.stream().splitlines():
+        tag, _, text = line.partition("] ")
+        for part in tag.lstrip("[").split(",") if text == "next cell" else []:
+            first, _, last = part.strip().partition("-")
+            printed.update(range(int(first), int(last or first) + 1))
+    assert printed == {0, 1, 2}, r.stream()
+
+
+def test_a_killed_survivor_and_the_dead_rank_are_restarted_together(ks):
+    """Only the survivor that ignored the interrupt is killed; the restart hint
+    names it and the dead rank in a spec that %mesh restart accepts."""
+    spawn(ks, "3")
+    code = ("%%mesh\nimport os, signal, time\nif rank == 1:\n    time.sleep(1.0)\n"
+            "    os._exit(3)\nif rank == 0:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "while True:\n    time.sleep(0.01)")
+    r, took = timed(ks, code, timeout=60)
+    assert r.status == "error" and took < 30, took
+    text = r.error_text()
+    assert "rank 2 was stopped because rank 1 died" in text, text
+    assert ("rank 0 did not stop after rank 1 died and was killed (it was running C code or "
+            "ignored the interrupt); restart with  %mesh restart 0,1") in text, text
+    r = ks.execute("%%mesh\nrank")
+    assert "Restart ranks 0, 1 with  %mesh restart 0,1  (or mesh.restart('0,1'))" in \
+        r.error_text(), r.error_text()
+    r = ks.execute("%mesh restart 0,1", timeout=60)
+    assert r.status == "ok" and "restarted ranks 0, 1 in " in r.stream(), r.stream()
+    r = ks.execute("%%mesh\nrank * 10", timeout=30)
+    assert r.status == "ok" and "20" in r.result_text(), r.error_text()
+
+
+def test_interrupt_that_kills_every_rank_names_them_all(ks):
+    spawn(ks, "2")
+    msg_id = ks.kc.execute("%%mesh\nsum(range(10**13))")
+    time.sleep(1.0)
+    ks.interrupt()
+    deadline = time.monotonic() + 40
+    reply = None
+    while reply is None and time.monotonic() < deadline:
+        rep = ks.kc.get_shell_msg(timeout=40)
+        if rep["parent_header"].get("msg_id") == msg_id:
+            reply = rep
+    assert reply is not None and reply["content"]["status"] == "error"
+    shown = "\n".join(reply["content"]["traceback"])
+    assert "was killed by the mesh after it ignored the interrupt" in shown, shown
+    assert ("ranks 0, 1 ignored the interrupt and were killed; restart with  "
+            "%mesh restart all  (or mesh.restart())") in shown, shown
+    ks.wait_idle(msg_id)
+    r = ks.execute("%%mesh\nrank")
+    assert "Restart ranks 0, 1 with  %mesh restart all" in r.error_text(), r.error_text()
+
+
+def test_timeout_names_only_the_ranks_it_interrupted(ks):
+    spawn(ks, "3")
+    r = ks.execute("%%mesh --timeout 2\nimport time\nif rank != 0:\n    time.sleep(60)",
+                   timeout=60)
+    assert r.status == "error"
+    assert "timed out after 2 s; ranks 1, 2 were interrupted" in r.stream("stderr"), r.stream()
 
 
 def test_missed_heartbeats_detect_a_silent_remote_rank():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import tracemalloc
 
 import pytest
@@ -18,6 +19,7 @@ from IPython.core.error import UsageError
 
 from monarch_kernel import errors
 from monarch_kernel.controller.controller import Controller
+from monarch_kernel.controller.request import RankInfo
 from monarch_kernel.debug import console, ranks
 from monarch_kernel.errors import (
     MeshError,
@@ -77,18 +79,25 @@ def test_escalation_names_each_rank_once():
     """A second interrupt (or ranks ignoring the first for 5 s) escalates again: the
     ranks killed are listed once each."""
     sent = []
+    ctl = type("C", (), {"ranks": {r: RankInfo(r, state="busy") for r in range(4)}})()
 
     class Launcher:
         local = True
 
         def signal(self, rs, sig):
             sent.append((list(rs), sig))
+            for r in rs:  # (SIGTERM: these ranks ignore it too)
+                if sig == signal.SIGKILL:
+                    ctl.ranks[r].state = "dead"
 
-    mesh = type("M", (), {"launcher": Launcher()})()
+    mesh = type("M", (), {"launcher": Launcher(), "controller": ctl, "_stopped": False})()
+    mesh.root = mesh
     req = type("R", (), {"ranks": [0, 1, 2, 3], "replies": {1: ("ok", None)}})()
     killed: list[int] = []
     for _ in range(3):
-        MeshMagics._interrupt(None, mesh, req, 1.0, killed, "interrupted")  # type: ignore
+        MeshMagics._interrupt(None, mesh, req, 1.0, [], killed)  # type: ignore
+    assert sent == [([0, 2, 3], signal.SIGTERM), ([0, 2, 3], signal.SIGKILL)]
+    assert all(ctl.ranks[r].killed_by for r in (0, 2, 3))
     assert killed == [0, 2, 3]
     assert ranks_label(killed) == "ranks 0, 2, 3"
 
