@@ -46,7 +46,7 @@ def test_lines_ready_longer_than_write_s_are_written_by_the_next_chunk() -> None
     p.WRITE_S = 0.0  # every chunk writes what is ready (after folding)
     for i in range(200):
         p.feed(1, "stdout", f"line {i}\n")
-    assert written, "complete lines past the fold window wait for no flush"
+    assert written, "complete lines wait for no flush once WRITE_S has passed"
     p.close()
     assert "".join(written) == "".join(f"[1] line {i}\n" for i in range(200))
 
