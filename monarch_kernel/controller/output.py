@@ -242,7 +242,7 @@ class RankPrinter:
             self._partial.setdefault(key, []).append(rest)
 
     def _add_lines(self, rank: int, name: str, lines: list[str], chars: int) -> None:
-        """Add complete lines without ``\r`` (``chars``: their length with their ends)."""
+        """Add complete lines without ``\\r`` (``chars``: their length with their ends)."""
         if not self._fold:
             self._ready_block(name, rank, lines)
         else:
