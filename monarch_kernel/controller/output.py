@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from monarch_kernel.errors import compact_ranks
@@ -113,6 +114,19 @@ class BackgroundOutput:
 class RankPrinter:
     """Collects stream chunks per rank and emits tagged lines.
 
+    Complete lines are written in batches, not one write per line: everything
+    ready is written by :meth:`flush_lines` (its callers call it when no output
+    is waiting and before anything else is shown), by :meth:`feed` once the
+    oldest unwritten line has waited :attr:`WRITE_S` seconds, and whenever
+    :attr:`WRITE_CHARS` characters are ready. So a rank printing many short
+    lines costs about as many writes (in a kernel: iopub stream messages) as
+    one long line of the same bytes, and a line is written at the next
+    :meth:`flush_lines` or the first chunk fed :attr:`WRITE_S` after it,
+    whichever comes first. Each rank's lines keep their order; stdout and
+    stderr keep their order relative to each other too. A run of lines from
+    one rank that nothing can fold with is kept as one list and tagged with
+    one ``str.join``: no work per line beyond ``str.split`` and ``str.join``.
+
     Parameters
     ----------
     write : callable(name: str, text: str) -> None
@@ -146,6 +160,29 @@ class RankPrinter:
         self.chars_scanned = 0
         self._fold = fold
         self._held: list[tuple[str, str, list[int]]] = []  # (name, line, ranks)
+        # (rank, name, lines): complete lines of one rank after every held line, none of
+        # which can fold (nothing of another rank comes after them); kept as one list so
+        # a rank printing many lines costs no work per line here
+        self._run: tuple[int, str, list[str]] | None = None
+        self._run_chars = 0
+        # lines past folding, not written yet: [name, [tagged lines]] runs in order
+        self._out: list[tuple[str, list[str]]] = []
+        self._out_entries: list[tuple[str, list[int], str]] = []  # the same for on_lines
+        self._out_chars = 0
+        self._since = 0.0  # time.monotonic() when the oldest unwritten complete line came
+        #: writes made so far (each a ``write`` call or an ``on_lines`` call)
+        self.writes = 0
+
+    #: seconds the oldest complete line waits before :meth:`feed` writes it (with
+    #: every complete line after it)
+    WRITE_S = 0.1
+    #: characters of complete lines that are written at once, without waiting
+    WRITE_CHARS = 1 << 20
+    #: complete lines held for folding before they are moved on to be written
+    FOLD_LINES = 64
+    #: characters of one rank's run of lines kept before all but its last
+    #: :attr:`FOLD_LINES` lines are moved on to be written
+    RUN_CHARS = 1 << 16
 
     def feed(self, rank: int, name: str, text: str) -> None:
         """Add a chunk of ``name`` output from ``rank``.
@@ -167,6 +204,12 @@ class RankPrinter:
             rest = text[end + 1:]
         else:
             rest = text
+        if lines and not (self._held or self._run is not None or self._out_chars):
+            self._since = time.monotonic()
+        if lines and "\r" not in head and (self._on_progress is None
+                                           or key not in self._progress):
+            self._add_lines(rank, name, lines, len(head) + 1)
+            lines = []
         for line in lines:
             if "\r" in line:
                 line = line.rstrip("\r").rsplit("\r", 1)[-1]
@@ -176,6 +219,9 @@ class RankPrinter:
                 self._on_progress(rank, name, line, False)
                 continue
             self._add(rank, name, line)
+        if ((self._held or self._run is not None or self._out_chars)
+                and time.monotonic() - self._since >= self.WRITE_S):
+            self.flush_lines()
         if not rest:
             return
         if "\r" in rest and self._on_progress is not None:
@@ -195,7 +241,62 @@ class RankPrinter:
         else:
             self._partial.setdefault(key, []).append(rest)
 
+    def _add_lines(self, rank: int, name: str, lines: list[str], chars: int) -> None:
+        """Add complete lines without ``\\r`` (``chars``: their length with their ends)."""
+        if not self._fold:
+            self._ready_block(name, rank, lines)
+        else:
+            run = self._run
+            if run is not None and run[0] == rank and run[1] == name:
+                run[2].extend(lines)
+                self._run_chars += chars
+            elif run is None and all(ranks == [rank] for _, _, ranks in self._held):
+                # nothing held comes after a line of another rank: nothing to fold with
+                self._run = (rank, name, list(lines))
+                self._run_chars = chars
+            else:
+                for line in lines:
+                    self._add(rank, name, line)
+                return
+            if self._run_chars < self.RUN_CHARS:
+                return
+            self._settle_run(self.FOLD_LINES)
+        if self._out_chars >= self.WRITE_CHARS:
+            self._write_out()
+
+    def _settle_run(self, keep: int) -> None:
+        """Hold the run's last ``keep`` lines for folding; queue the lines before them."""
+        assert self._run is not None
+        rank, name, lines = self._run
+        self._run = None
+        self._run_chars = 0
+        if len(lines) > keep:
+            self._spill()  # (the held lines come before the run)
+            self._ready_block(name, rank, lines[:len(lines) - keep])
+            lines = lines[len(lines) - keep:]
+        self._held.extend((name, line, [rank]) for line in lines)
+        if len(self._held) > self.FOLD_LINES:
+            self._spill()
+
+    def _ready_block(self, name: str, rank: int, lines: list[str]) -> None:
+        """Queue complete lines of one rank to be written (after those queued before)."""
+        if not lines:
+            return
+        if self._on_lines is not None:
+            self._out_entries.extend((name, [rank], line) for line in lines)
+            self._out_chars += len(lines) + sum(map(len, lines))
+            return
+        prefix = f"[{rank}] "
+        text = prefix + ("\n" + prefix).join(lines) + "\n"  # tagged_line's text, per line
+        if self._out and self._out[-1][0] == name:
+            self._out[-1][1].append(text)
+        else:
+            self._out.append((name, [text]))
+        self._out_chars += len(text)
+
     def _add(self, rank: int, name: str, line: str) -> None:
+        if self._run is not None:
+            self._settle_run(self.FOLD_LINES)
         if self._fold:
             # a line may join a held line only after this rank's last held line,
             # so every rank's own order is kept
@@ -209,26 +310,55 @@ class RankPrinter:
                     ranks.append(rank)
                     return
             self._held.append((name, line, [rank]))
-            if len(self._held) > 64:
-                self.flush_lines()
-        elif self._on_lines is not None:
-            self._on_lines([(name, [rank], line)])
+            if len(self._held) > self.FOLD_LINES:
+                self._spill()
         else:
-            self._write(name, f"[{rank}] {line}\n")
+            self._ready(name, [rank], line)
+            if self._out_chars >= self.WRITE_CHARS:
+                self._write_out()
+
+    def _ready(self, name: str, ranks: list[int], line: str) -> None:
+        """Queue one complete line to be written (after the lines queued before it)."""
+        if self._on_lines is not None:
+            self._out_entries.append((name, ranks, line))
+            self._out_chars += len(line) + 1
+            return
+        text = tagged_line(ranks, line)
+        if self._out and self._out[-1][0] == name:
+            self._out[-1][1].append(text)
+        else:
+            self._out.append((name, [text]))
+        self._out_chars += len(text)
+
+    def _spill(self) -> None:
+        """Move the lines held for folding on to be written; write if enough are ready."""
+        held, self._held = self._held, []
+        for name, line, ranks in held:
+            self._ready(name, ranks, line)
+        if self._out_chars >= self.WRITE_CHARS:
+            self._write_out()
+
+    def _write_out(self) -> None:
+        """Write the queued lines: one ``write`` per run of one stream, or one ``on_lines``."""
+        out, self._out = self._out, []
+        entries, self._out_entries = self._out_entries, []
+        self._out_chars = 0
+        if entries:
+            self.writes += 1
+            assert self._on_lines is not None
+            self._on_lines(entries)
+        for name, texts in out:
+            self.writes += 1
+            self._write(name, "".join(texts))
 
     def flush_lines(self) -> None:
-        """Write every complete line held for folding."""
-        held, self._held = self._held, []
-        if not held:
-            return
-        if self._on_lines is not None:
-            self._on_lines([(name, ranks, line) for name, line, ranks in held])
-            return
-        by_name: dict[str, list[str]] = {}
-        for name, line, ranks in held:
-            by_name.setdefault(name, []).append(tagged_line(ranks, line))
-        for name, lines in by_name.items():
-            self._write(name, "".join(lines))
+        """Write every complete line: those held for folding and those queued."""
+        if self._run is not None:
+            self._settle_run(0)
+        if self._held:
+            self._spill()
+        if self._out_chars:
+            self._write_out()
 
     def close(self) -> None:
         """Write everything, including unfinished lines."""
