@@ -9,7 +9,7 @@ import pytest
 def k22(shared_kernel):
     r = shared_kernel.execute("%mesh spawn 2x2 --dist gloo", timeout=180)
     assert r.status == "ok", r.error_text()
-    assert "{'hosts': 2, 'procs': 2}" in r.stream()
+    assert "4 ranks (2 hosts x 2 procs) ready" in r.stream(), r.stream()
     r = shared_kernel.execute("%%mesh\ntorch.set_num_threads(1)\nx = torch.arange(4.) + rank")
     assert r.status == "ok", r.error_text()
     return shared_kernel
