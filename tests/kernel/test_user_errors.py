@@ -166,7 +166,7 @@ def test_ctrl_c_while_a_mesh_starts_says_so_in_one_line_and_leaves_nothing(kerne
     assert err is not None
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in err["traceback"]]
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert re.fullmatch(r"KeyboardInterrupt: (spawn|torch.distributed set-up) interrupted: "
+    assert re.fullmatch(r"SpawnInterrupted: (spawn|torch.distributed set-up) interrupted: "
                         r"[0-4] of 4 ranks had started; nothing is left running", lines[0]), lines
     assert_no_workers(kernel.pid, timeout=10)
     r = kernel.execute("%mesh spawn 1")  # the kernel and the magics still work
