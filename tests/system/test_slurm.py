@@ -163,7 +163,7 @@ def test_pending_job_shows_its_state_and_interrupt_cancels_it(sk):
     r = sk.execute("%mesh spawn 1x1 --launcher slurm --sbatch=--begin=now+1hour",
                    timeout=120, on_message=on_message)
     assert seen, r.stream()
-    assert r.status == "error" and "KeyboardInterrupt" in r.error_text()
+    assert r.status == "error" and "SpawnInterrupted: spawn interrupted" in r.error_text()
     job = re.search(r"job (\d+) PENDING \(BeginTime\)", r.stream()).group(1)
     assert f"job {job} cancelled while PENDING" in r.stream()
     assert _job_gone(job)
