@@ -55,6 +55,9 @@ class FakeController:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.linger = 0
+        # (no send high-water mark, as the controller's: a ROUTER drops what it cannot queue,
+        # and a test that sends a burst would lose the message it sends after it)
+        self.router.sndhwm = 0
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         self.errpath = tmp / "worker-stderr.txt"
