@@ -215,17 +215,9 @@ class KernelSession:
             If the reply does not come within ``timeout`` seconds.
         """
         msg_id = self.kc.kernel_info()
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no kernel_info reply within {timeout} s")
-            try:
-                rep = self.kc.get_shell_msg(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if rep["parent_header"].get("msg_id") == msg_id:
-                return
+        _read_until(self.kc.get_shell_msg,
+                    lambda rep: rep["parent_header"].get("msg_id") == msg_id,
+                    timeout, "kernel_info reply")
 
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
@@ -244,18 +236,12 @@ class KernelSession:
             If no idle status for ``msg_id`` came within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no idle status for {msg_id} within {timeout} s")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                    and msg["content"]["execution_state"] == "idle"):
-                self.sync_shell(max(deadline - time.monotonic(), 10.0))
-                return
+        _read_until(self.kc.get_iopub_msg,
+                    lambda msg: (msg["parent_header"].get("msg_id") == msg_id
+                                 and msg["msg_type"] == "status"
+                                 and msg["content"]["execution_state"] == "idle"),
+                    timeout, f"idle status for {msg_id}")
+        self.sync_shell(max(deadline - time.monotonic(), 10.0))
 
     def shutdown(self) -> None:
         """Shut the kernel down (it stops its meshes) and close the channels."""
@@ -264,3 +250,25 @@ class KernelSession:
         finally:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=False)
+
+
+def _read_until(get: Any, match: Any, timeout: float, what: str) -> dict:
+    """Read messages with ``get`` (a jupyter_client channel getter) until one
+    ``match``es it; that message.
+
+    Raises
+    ------
+    TimeoutError
+        Naming ``what`` when none matched within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no {what} within {timeout} s")
+        try:
+            msg = get(timeout=min(left, 0.2))
+        except queue.Empty:
+            continue
+        if match(msg):
+            return msg
