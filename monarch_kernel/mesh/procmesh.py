@@ -223,7 +223,7 @@ class ProcMesh:
             timeout = _seconds(timeout, "timeout")
         if not show_output(req, timeout):
             raise TimeoutError(f"no answer from {ranks_label(req.ranks)} within {timeout:g} s")
-        if req.failure is not None:  # fail fast: stop what the other ranks still run
+        if req.failure is not None and self.root._gone is None:  # fail fast: stop the rest
             printer = RankPrinter(write_stream)
             try:
                 killed = stop_survivors(self, req, lambda ev: _print_event(printer, ev))
