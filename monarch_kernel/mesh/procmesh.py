@@ -850,11 +850,11 @@ def spawn_procs(
             if not attach_existing:
                 raise MeshError(f"a mesh named {name!r} is running already; attach to it "
                                 f"(monarch_kernel.attach({name!r})) or stop it first")
-            mesh = attach(name, timeout=timeout, on_output=on_output)
-            mesh.attached_existing = True
+            found = attach(name, timeout=timeout, on_output=on_output)
+            found.attached_existing = True
             print(f"[monarch] mesh {name!r} is running already: attached to it "
-                  f"({len(mesh)} ranks)", file=sys.stderr, flush=True)
-            return mesh
+                  f"({len(found)} ranks)", file=sys.stderr, flush=True)
+            return found
         if rec is not None:
             registry.remove(name, rec.mesh_id)
     sh, la, addr = check_spawn(
