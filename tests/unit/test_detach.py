@@ -306,3 +306,53 @@ def test_no_name_and_attach_errors(reg):
     with pytest.raises(mk.NoMeshError, match="no mesh named"):
         mk.attach("nobody-runs-this")
     assert not list(Path(os.environ[registry.ENV]).glob("*.json"))
+
+
+def test_request_finished_while_detached(reg):
+    """A request that ends while no controller is attached: its output and its reply
+    are kept, and follow() shows the output and returns the values."""
+    name = _name()
+    with child(name, "kill", lines=20) as c:
+        c.read_until("STARTED")
+        time.sleep(0.3)
+        c.kill()
+        time.sleep(2.0)  # (20 lines of 50 ms: it ends meanwhile)
+        m = mk.attach(name)
+        try:
+            [res] = m.resumed
+            assert res.finished_while_detached and res.finished_ranks == [0, 1, 2, 3]
+            result, out = _follow(m)
+            assert list(result.values()) == ["done"] * 4
+            _check_lines(out, lines=20)
+            assert m.follow() is None  # (nothing left to follow)
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
+
+
+def test_same_process_detach_attach_and_stop(reg):
+    """The spawning process detaches and attaches again (no busy refusal: it left on
+    purpose), and a detachable mesh stopped by its spawner leaves nothing."""
+    name = _name()
+    m = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.exec("v = rank + 100")
+        m.detach()
+        m2 = mk.attach(name, timeout=10)
+        assert list(m2.exec("v").values()) == [100, 101]
+        m2.detach()
+        m3 = mk.spawn_procs(2, name=name, detach=True)  # get-or-spawn, same process
+        assert m3.attached_existing
+        m3.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
+    m4 = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m4.record.pids), "dir": m4.record.mesh_dir,
+            "guardian": m4.record.guardian_pid}
+    m4.stop()  # (the spawner's own stop)
+    _assert_gone(info, name)
