@@ -285,6 +285,11 @@ class Detachable:
             now = time.monotonic()
             held = (not self.detached and now - w.io.last_heard < w.heartbeat_timeout
                     and _holder_alive(self.holder))
+            gone = c.get("holder_gone")
+            if held and isinstance(gone, dict) and self.holder is not None and (
+                    gone.get("pid") == self.holder.get("pid")
+                    and gone.get("host") == self.holder.get("host")):
+                held = False  # (its host saw it gone; this one cannot look)
             if held and not c.get("steal"):
                 return {"ok": False, "busy": True, "holder": self.holder}
             if held:  # taken over: the old controller is told, then left
