@@ -22,9 +22,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 
 import monarch_kernel as mk
 from monarch_kernel.mesh import registry
+from monarch_kernel.wire import protocol
 
 #: the child script: a controller that spawns a detachable 4-rank mesh, sets state on
 #: every rank and in an actor, starts a request that prints a numbered line every 50 ms
@@ -355,4 +357,44 @@ def test_same_process_detach_attach_and_stop(reg):
     info = {"pids": dict(m4.record.pids), "dir": m4.record.mesh_dir,
             "guardian": m4.record.guardian_pid}
     m4.stop()  # (the spawner's own stop)
+    _assert_gone(info, name)
+
+
+def test_attach_endpoint_refuses_stale_and_foreign_requests(reg):
+    """A rank's attach endpoint answers an attach signed with the mesh key but no newer
+    than the last one it accepted with a refusal (a replay), ignores one signed with
+    another key, and the mesh is untouched by either."""
+    name = _name()
+    m = mk.spawn_procs(1, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    rec = m.record
+    try:
+        m.exec("v = 5")
+        m.detach()
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(rec.endpoints[0])
+        try:
+            content = {"up": "ipc:///nonexistent/up", "down": "ipc:///nonexistent/down",
+                       "curve_server_key": None, "ctl_epoch": 1, "floor": 0, "rank_epoch": 1,
+                       "steal": True, "pid": 1, "host": "elsewhere", "t": 0.0}
+            foreign = protocol.Codec(protocol.new_key(), "ctl")
+            s.send_multipart(foreign.encode("attach", content))
+            assert not s.poll(500)  # (a wrong key: dropped, no answer)
+            codec = protocol.Codec(bytes.fromhex(rec.key_hex), "ctl")
+            s.send_multipart(codec.encode("attach", content))
+            assert s.poll(5000)
+            answer = codec.decode(s.recv_multipart()).content
+            assert not answer["ok"] and "stale" in answer["error"]
+        finally:
+            s.close(0)
+        m2 = mk.attach(name, timeout=10)
+        assert list(m2.exec("v").values()) == [5]
+        m2.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
     _assert_gone(info, name)
