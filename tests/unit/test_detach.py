@@ -398,3 +398,29 @@ def test_attach_endpoint_refuses_stale_and_foreign_requests(reg):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     _assert_gone(info, name)
+
+
+def test_background_output_while_detached_is_shown_at_attach(reg):
+    """What a rank's background thread prints while no controller is attached reaches
+    the next controller's on_output."""
+    name = _name()
+    m = mk.spawn_procs(1, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.exec("import threading, time\n"
+               "def later():\n"
+               "    time.sleep(1.0)\n"
+               "    print('from the background', flush=True)\n"
+               "threading.Thread(target=later).start()")
+        m.detach()
+        time.sleep(2.0)
+        got: list[str] = []
+        m2 = mk.attach(name, timeout=10, on_output=lambda r, n, t: got.append(t))
+        _wait(lambda: "from the background" in "".join(got), 10, "the background line")
+        m2.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
