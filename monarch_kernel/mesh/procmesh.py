@@ -29,6 +29,7 @@ from monarch_kernel.controller.controller import Controller, Request
 from monarch_kernel.controller.output import RankPrinter, write_stream
 from monarch_kernel.errors import (
     MESH_STOPPED,
+    MeshBusyError,
     MeshError,
     MeshFailure,
     NoMeshError,
@@ -714,7 +715,14 @@ def stop_mesh(name: str, timeout: float = 10.0, force: bool = False) -> None:
         if m.name == name:
             m.stop(timeout=timeout)
             return
-    mesh = attach(name, steal=force, timeout=timeout)
+    try:
+        mesh = attach(name, steal=force, timeout=timeout)
+    except MeshBusyError as e:
+        err = MeshBusyError(f"mesh {name!r} is attached to another controller (pid "
+                            f"{e.holder_pid} on host {e.holder_host}); stop it there, or "
+                            f"here with force=True (%mesh stop {name} --force)")
+        err.holder_pid, err.holder_host = e.holder_pid, e.holder_host
+        raise err from None
     mesh.stop(timeout=timeout)
 
 

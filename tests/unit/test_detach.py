@@ -266,6 +266,8 @@ def test_second_attach_refused_then_steal(reg):
             mk.attach(name, timeout=10)
         assert e.value.holder_pid == c.proc.pid
         assert f"pid {c.proc.pid}" in str(e.value) and "steal" in str(e.value)
+        with pytest.raises(mk.MeshBusyError, match="force=True"):
+            mk.stop_mesh(name, timeout=10)
         m = mk.attach(name, steal=True, timeout=10)
         try:
             line = c.read_until("ERROR", timeout=20)
