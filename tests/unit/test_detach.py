@@ -426,3 +426,25 @@ def test_background_output_while_detached_is_shown_at_attach(reg):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     _assert_gone(info, name)
+
+
+def test_ranks_paused_in_pdb_are_listed_at_attach(reg):
+    """A rank stopped at a breakpoint while the mesh is detached is listed by
+    paused_ranks() after attach (and its cell is among the resumed requests)."""
+    name = _name()
+    m = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.run("if rank == 1:\n    breakpoint()\n")
+        _wait(lambda: m.paused_ranks() == [1], 10, "rank 1 to pause")
+        m.detach()
+        m2 = mk.attach(name, timeout=10)
+        assert m2.paused_ranks() == [1]
+        assert [r.ranks for r in m2.resumed] == [[1]]
+        m2.stop(timeout=2)
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
