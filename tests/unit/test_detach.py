@@ -448,3 +448,24 @@ def test_ranks_paused_in_pdb_are_listed_at_attach(reg):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     _assert_gone(info, name)
+
+
+def test_rank_that_ended_while_detached(reg):
+    """A mesh one of whose ranks ended while detached is not attached half: the error
+    names the rank and says how to end the rest; stop_mesh(force=True) does."""
+    name = _name()
+    m = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.detach()
+        os.kill(info["pids"][1], signal.SIGKILL)
+        _wait(lambda: not _running(info["pids"][1]), 10, "rank 1 to end")
+        with pytest.raises(mk.MeshError, match="rank 1 ended while it was detached"):
+            mk.attach(name, timeout=10)
+        mk.stop_mesh(name, force=True)
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
