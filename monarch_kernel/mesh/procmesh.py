@@ -6,6 +6,12 @@ every rank. The :class:`ProcMesh` it returns runs cells, moves variables,
 spawns actors (:meth:`ProcMesh.spawn`), and is stopped with
 :meth:`ProcMesh.stop` or a ``with`` block. A script that forgets to stop
 its meshes has them stopped at exit.
+
+A mesh spawned with a name and ``detach=True`` outlives this controller
+(:meth:`ProcMesh.detach`, a crash, the program's end): another controller
+finds it in the per-user registry (:mod:`monarch_kernel.mesh.registry`) and
+attaches (:func:`attach`, :mod:`monarch_kernel.mesh.durable`); the ranks'
+side is :mod:`monarch_kernel.worker.detach`.
 """
 
 from __future__ import annotations
