@@ -56,9 +56,10 @@ print("PIDS " + json.dumps({"pids": m.record.pids, "dir": m.record.mesh_dir,
 if mode != "idle":
     delay = float(os.environ.get("DETACH_TEST_DELAY", "0"))
     mark = os.environ.get("DETACH_TEST_MARK", "")
+    short = int(os.environ.get("DETACH_TEST_SHORT", str(lines)))  # (rank 3's lines)
     m.run("import os, time\n"
           f"time.sleep({delay})\n"
-          f"for i in range({lines}):\n"
+          f"for i in range({lines} if rank != 3 else {short}):\n"
           "    print(f'r{rank} line {i} ' + 'x' * 40, flush=True)\n"
           "    time.sleep(0.05)\n"
           f"if {mark!r}:\n"
@@ -477,3 +478,25 @@ def test_rank_that_ended_while_detached(reg):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     _assert_gone(info, name)
+
+
+def test_rank_that_finished_before_the_kill_is_shown_too(reg):
+    """Rank 3 finished (its reply went to the controller) before that controller was
+    killed; the other ranks still run: the new controller shows the whole request,
+    rank 3's lines included, once each."""
+    name = _name()
+    with child(name, "kill", env={"DETACH_TEST_SHORT": "5"}) as c:
+        c.read_until("STARTED")
+        time.sleep(1.5)  # (rank 3's 5 lines take 0.25 s)
+        c.kill()
+        m = mk.attach(name)
+        try:
+            [res] = m.resumed
+            assert res.ranks == [0, 1, 2] and res.finished_ranks == [3]
+            result, out = _follow(m)
+            assert list(result.values()) == ["done"] * 4
+            _check_lines(out, ranks=3)
+            assert [int(x) for x in re.findall(r"r3 line (\d+) ", out)] == list(range(5))
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
