@@ -11,6 +11,7 @@ the kernel stays usable.
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 import sys
 import time
@@ -22,22 +23,32 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+import monarch_kernel as mk
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.io import spin_seconds
 from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, ranks_label
+from monarch_kernel.errors import (
+    MeshBusyError,
+    MeshError,
+    MonarchError,
+    NoMeshError,
+    RankSpecError,
+    ranks_label,
+)
 from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, command, usage_text
 
 # (debug_bridge also serves the calls of actors paused in pdb)
 from monarch_kernel.kernel.debug_bridge import cell_console, debug_command, finish_cell
+from monarch_kernel.kernel.meshlist import MeshTable, fmt_duration
 from monarch_kernel.kernel.rankstream import RankStreamChannel, RankStreamDisplay
+from monarch_kernel.mesh import registry as mesh_registry
 from monarch_kernel.mesh.procmesh import ProcMesh, check_spawn, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.mesh.supervision import KILL_AFTER_S, dead_hint, kill_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.transport.sockets import max_message_bytes
-from monarch_kernel.ui.status import StatusTable, human_shape
+from monarch_kernel.ui.status import StatusTable, fmt_bytes, human_shape
 from monarch_kernel.util.cells import cell_filename
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
@@ -106,6 +117,41 @@ def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _lost(m: ProcMesh) -> str:
+    """Why this kernel lost durable mesh ``m`` (another kernel took it over with
+    ``--steal``), in words, or ``""``."""
+    by = getattr(m.root, "stolen_by", None) or getattr(m.root, "lost", None)
+    if not by:
+        return ""
+    return f"was taken over by {by} (%mesh attach --steal there)" if isinstance(by, str) \
+        else "was taken over by another kernel (%mesh attach --steal)"
+
+
+def _durable(m: ProcMesh) -> bool:
+    """Whether ``m`` was spawned to outlive its controller (``--detach``)."""
+    return bool(getattr(m.root, "detached", False))
+
+
+def _unlike(m: ProcMesh, dims: dict[str, int]) -> str:
+    """``", not the 8 ranks asked for"`` when mesh ``m`` has another shape than ``dims``."""
+    if dict(m.shape.dims) == dict(dims):
+        return ""
+    return f"; not the {human_shape(dims)} asked for"
+
+
+def _steal_hint(message: str, name: str) -> str:
+    """A busy mesh's message in the magic's words (``--steal``, not ``steal=True``)."""
+    text = message.replace("steal=True", f"%mesh attach {name} --steal")
+    if "--steal" not in text:
+        text += f"; take it over with  %mesh attach {name} --steal"
+    return text
+
+
+def _still_running(r: Any) -> bool:
+    """Whether a ``ProcMesh.resumed`` entry names ranks still running its request."""
+    return bool(getattr(r, "ranks", None))
+
+
 def _force_hint(message: str) -> str:
     """A refused spawn's message in the magic's words (``--force``, not ``force=True``)."""
     return message.replace("force=True (%mesh spawn ... --force)", "--force")
@@ -142,17 +188,35 @@ class MeshMagics(Magics):
             If no mesh is running.
         """
         m = self.meshes.get(self.current or "")
+        lost = _lost(m) if m is not None else ""
+        if lost:
+            self.meshes.pop(self.current or "", None)
+            raise UsageError(f"mesh {self.current!r} {lost}; %mesh attach {self.current} "
+                             "--steal  takes it back")
         if m is None or m.root._stopped:
             raise UsageError("no mesh is running; start one first with  %mesh spawn 4  (or "
                              "%mesh use NAME for a mesh made with spawn_procs in a cell)")
         return m
 
     def stop_all(self) -> None:
-        """Stop every mesh (kernel shutdown and restart)."""
+        """Stop every mesh of the kernel (``%mesh stop --all``), durable ones too."""
         for m in list(self.meshes.values()):
             try:
                 m.stop(timeout=3)
             except Exception:  # noqa: BLE001 - stopping must go on for the others
+                pass
+        self.meshes.clear()
+
+    def release_all(self) -> None:
+        """Kernel shutdown and restart: detach every durable mesh (``--detach``: its
+        ranks keep running, ``%mesh attach`` finds them again) and stop every other."""
+        for m in list(self.meshes.values()):
+            try:
+                if _durable(m) and not m.root._stopped:
+                    m.detach()
+                else:
+                    m.stop(timeout=3)
+            except Exception:  # noqa: BLE001 - it must go on for the others
                 pass
         self.meshes.clear()
 
@@ -200,14 +264,21 @@ class MeshMagics(Magics):
         return usage_text()
 
     # ------------------------------------------------------------ commands
-    def _cmd_spawn(self, argv: list[str]) -> None:
+    def _cmd_spawn(self, argv: list[str]) -> Any:
         # every argument is checked before the previous mesh is stopped: a typo must not
         # cost the running mesh (and the ranks' state)
         a = command("spawn").parse(argv)  # (numbers: NaN, infinities, negatives refused)
         dims = parse_shape(a.size)
         launcher_options = slurm_options(a)
-        if not a.name.isidentifier():
-            raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
+        name = a.name if a.name is not None else "mesh"
+        if not name.isidentifier():
+            raise UsageError(f"%mesh spawn: --name {name!r} is not a Python identifier")
+        if a.detach and a.name is None:
+            raise UsageError("%mesh spawn: --detach needs --name NAME: the name you attach "
+                             "the mesh by later (e.g.  %mesh spawn 4 --name train --detach)")
+        if a.keep_alive is not None and not a.detach:
+            raise UsageError("%mesh spawn: --keep-alive is for a mesh that outlives the "
+                             "kernel; add --detach (and --name NAME)")
         try:
             spin_seconds()  # (MONARCH_SPIN_US, read by the mesh's controller)
             lanes_enabled()  # (MONARCH_LANES, ...: likewise)
@@ -221,38 +292,198 @@ class MeshMagics(Magics):
                 telemetry_interval=a.telemetry_interval, force=a.force)
         except (ValueError, TypeError, MeshError) as e:
             raise UsageError(f"%mesh spawn: {_force_hint(str(e))}") from None
-        old = self.meshes.pop(a.name, None)
+        held = self.meshes.get(name)
+        if a.detach and held is not None and not held.root._stopped and _durable(held):
+            self.current = name
+            print(f"mesh {name!r} is attached to this kernel already "
+                  f"({human_shape(held.shape.dims)}{_unlike(held, dims)}); "
+                  f"%mesh stop {name} first to spawn a new one")
+            return None
+        old = self.meshes.pop(name, None)
         if old is not None and not old.root._stopped:
-            print(f"stopping the previous mesh {a.name!r} ({human_shape(old.shape.dims)})")
+            print(f"stopping the previous mesh {name!r} ({human_shape(old.shape.dims)})")
             old.stop()
+        durable: dict[str, Any] = {}
+        if a.detach:
+            durable = {"name": name, "detach": True, "keep_alive": a.keep_alive}
         t0 = time.monotonic()
         try:
             m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
                             restart=a.restart, max_restarts=a.max_restarts,
                             heartbeat=a.heartbeat, timeout=a.timeout,
                             telemetry_interval=a.telemetry_interval, force=a.force,
-                            on_output=BackgroundOutput())  # (broadcasts, background threads)
+                            on_output=BackgroundOutput(),  # (broadcasts, background threads)
+                            **durable)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
-        self.meshes[a.name] = m
-        registry_for(m.controller)  # knows paused ranks from now on (%mesh debug)
-        self.current = a.name
-        self.ip.user_ns[a.name] = m
+        except MeshBusyError as e:
+            raise UsageError(f"%mesh spawn: {_steal_hint(str(e), name)}") from None
+        if getattr(m, "attached_existing", False):  # get-or-spawn: it was alive
+            self._hold(name, m)
+            print(f"mesh {name!r} is alive already: attached to it instead of spawning "
+                  f"({len(m)} ranks, {human_shape(m.shape.dims)}{_unlike(m, dims)}) in "
+                  f"{time.monotonic() - t0:.2f} s")
+            return self._after_attach(name, m)
+        self._hold(name, m)
         dist = f", torch.distributed {a.dist}" if a.dist != "none" else ""
-        print(f"mesh {a.name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) ready in "
-              f"{time.monotonic() - t0:.2f} s{dist}")
+        durable_text = ""
+        if a.detach:
+            durable_text = (f"; detached: it outlives this kernel (keep-alive "
+                            f"{fmt_duration(getattr(m, 'keep_alive', None) or a.keep_alive)}"
+                            f" without a kernel),  %mesh attach {name}  finds it again")
+        print(f"mesh {name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) ready in "
+              f"{time.monotonic() - t0:.2f} s{dist}{durable_text}")
         return None
+
+    def _hold(self, name: str, m: ProcMesh) -> None:
+        """Make ``m`` the kernel's mesh ``name`` (the current one, and a notebook variable)."""
+        self.meshes[name] = m
+        registry_for(m.controller)  # knows paused ranks from now on (%mesh debug)
+        self.current = name
+        self.ip.user_ns[name] = m
 
     def _cmd_stop(self, argv: list[str]) -> None:
         a = command("stop").parse(argv)
         if a.all:
+            if a.name is not None:
+                raise UsageError(f"%mesh stop: give a NAME or --all, not both. "
+                                 f"Usage: {command('stop').usage()}")
             self.stop_all()
             print("stopped every mesh")
             return
-        m = self.current_mesh()
+        if a.name is None:
+            m = self.current_mesh()
+            name = self.current or ""
+        else:
+            name = a.name
+            held = self.meshes.get(name)
+            if held is None or held.root._stopped:
+                self._stop_elsewhere(name)
+                return
+            m = held
         m.stop()
-        print(f"mesh {self.current!r} stopped ({len(m)} ranks)")
-        self.meshes.pop(self.current or "", None)
+        print(f"mesh {name!r} stopped ({len(m)} ranks)")
+        self.meshes.pop(name, None)
+        if self.current == name:
+            self.current = None
+
+    def _stop_elsewhere(self, name: str) -> None:
+        """``%mesh stop NAME`` for a durable mesh this kernel does not hold."""
+        kwargs: dict[str, Any] = {}
+        if "force" in inspect.signature(mk.stop_mesh).parameters:
+            kwargs["force"] = True  # (the user named it: attached elsewhere or not)
+        try:
+            mk.stop_mesh(name, **kwargs)
+        except NoMeshError as e:
+            raise UsageError(f"%mesh stop: {e}") from None
+        except MeshBusyError as e:
+            raise UsageError(f"%mesh stop: {e}") from None
+        self.meshes.pop(name, None)
+        print(f"mesh {name!r} stopped")
+
+    def _cmd_attach(self, argv: list[str]) -> Any:
+        a = command("attach").parse(argv)
+        name = a.name
+        held = self.meshes.get(name)
+        if held is not None and not held.root._stopped:
+            self.current = name
+            print(f"mesh {name!r} is attached to this kernel already "
+                  f"({len(held)} ranks, {human_shape(held.shape.dims)})")
+            return None
+        kwargs: dict[str, Any] = {"steal": a.steal, "timeout": a.timeout}
+        if "on_output" in inspect.signature(mk.attach).parameters:
+            kwargs["on_output"] = BackgroundOutput()  # (as %mesh spawn's meshes)
+        t0 = time.monotonic()
+        try:
+            m = mk.attach(name, **kwargs)
+        except NoMeshError as e:
+            raise UsageError(f"%mesh attach: {e}") from None
+        except MeshBusyError as e:
+            raise UsageError(f"%mesh attach: {_steal_hint(str(e), name)}") from None
+        self._hold(name, m)
+        took = time.monotonic() - t0
+        stole = " (taken over with --steal: the kernel that held it was told)" if a.steal else ""
+        print(f"attached to mesh {name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) in "
+              f"{took:.2f} s{stole}")
+        return self._after_attach(name, m)
+
+    def _after_attach(self, name: str, m: ProcMesh) -> Any:
+        """What a mesh did while detached: paused ranks, output it dropped, and the
+        requests still running, followed to their end (their output shown as it
+        comes, their result returned, their error raised). An interrupt while
+        following leaves the ranks running and detaches again."""
+        resumed = list(getattr(m, "resumed", None) or [])
+        dropped = sum(int(getattr(r, "dropped", 0) or 0) for r in resumed)
+        if dropped:
+            print(f"{fmt_bytes(dropped)} of output the ranks printed while detached was "
+                  "dropped (beyond the bound kept per rank)", file=sys.stderr)
+        paused = sorted(m.paused_ranks()) if hasattr(m, "paused_ranks") else []
+        if paused:
+            print(f"{ranks_label(paused)} {'is' if len(paused) == 1 else 'are'} paused in "
+                  "pdb: %mesh debug  to continue them")
+        pending = [r for r in resumed if _still_running(r) or getattr(r, "finished", False)]
+        if not pending:
+            return None
+        running = sorted({rk for r in pending for rk in (getattr(r, "ranks", None) or [])})
+        if running:
+            print(f"following what {ranks_label(running)} still run"
+                  f"{'s' if len(running) == 1 else ''} (interrupt to leave "
+                  f"{'it' if len(running) == 1 else 'them'} running and detach again)")
+        try:
+            result = self._follow(m)
+        except KeyboardInterrupt:
+            self._detach(name, m)
+            print(f"interrupted: the ranks keep running; mesh {name!r} is detached again "
+                  f"(%mesh attach {name} to follow it again)", file=sys.stderr)
+            return None
+        if isinstance(result, ValueMesh) and all(v is None for v in result.values()):
+            return None
+        return result
+
+    def _follow(self, m: ProcMesh) -> Any:
+        """Wait for the requests the mesh was running at attach (``ProcMesh.follow``),
+        their output going to the cell as live output does."""
+        return m.follow()
+
+    def _detach(self, name: str, m: ProcMesh) -> None:
+        """Let go of durable mesh ``name``: its ranks keep running."""
+        m.detach()
+        if self.meshes.get(name) is m:
+            self.meshes.pop(name, None)
+        if self.current == name:
+            self.current = None
+
+    def _cmd_detach(self, argv: list[str]) -> None:
+        a = command("detach").parse(argv)
+        if a.name is None:
+            m = self.current_mesh()
+            name = self.current or ""
+        else:
+            name = a.name
+            held = self.meshes.get(name)
+            if held is None or held.root._stopped:
+                raise UsageError(f"%mesh detach: this kernel holds no mesh named {name!r} "
+                                 f"(held: {self._held_names() or 'none'})")
+            m = held
+        if not _durable(m):
+            raise UsageError(f"%mesh detach: mesh {name!r} was spawned without --detach and "
+                             "cannot outlive this kernel; stop it with  %mesh stop, or spawn "
+                             f"it with  %mesh spawn N --name {name} --detach")
+        keep = getattr(m, "keep_alive", None)
+        self._detach(name, m)
+        print(f"mesh {name!r} detached: its ranks keep running"
+              + (f" (they end themselves after {fmt_duration(keep)} with no kernel)"
+                 if keep else "") + f";  %mesh attach {name}  comes back to it")
+
+    def _cmd_list(self, argv: list[str]) -> Any:
+        if argv:
+            raise UsageError(f"%mesh list: unexpected arguments {' '.join(argv)!r}. "
+                             f"Usage: {command('list').usage()}")
+        here = {n for n, m in self.meshes.items() if not m.root._stopped}
+        return MeshTable(mesh_registry.list_meshes(), here=here)
+
+    def _held_names(self) -> str:
+        return ", ".join(repr(n) for n, pm in self.meshes.items() if not pm.root._stopped)
 
     def _cmd_use(self, argv: list[str]) -> None:
         a = command("use").parse(argv)
