@@ -293,23 +293,21 @@ COMMANDS: tuple[Command, ...] = (
     Command("use", "make mesh NAME (spawn --name, or a variable holding a spawn_procs mesh) "
                    "the current one", (
         ("", (arg("name", metavar="NAME"),)),)),
-    Command("stop", "stop the current mesh's workers (NAME: a mesh by name, also a detached "
-                    "one attached nowhere; --all: every mesh of this kernel)", (
+    Command("stop", "stop the current mesh (NAME: that mesh, from any kernel; --all: every "
+                    "mesh of this kernel)", (
         ("", (arg("name", metavar="NAME", nargs="?", default=None,
                   help="the mesh to stop (default: the current one)"),
               arg("--all", action="store_true", help="stop every mesh of the kernel"))),)),
-    Command("attach", "attach to the detached mesh NAME (spawn --detach): its ranks, state "
-                      "and actors; shows what they printed and follows what still runs", (
+    Command("attach", "attach to durable mesh NAME, follow what it runs", (
         ("", (arg("name", metavar="NAME", help="the mesh's name (see  %mesh list)"),
               arg("--steal", action="store_true",
                   help="take it over from the kernel that holds it (that kernel is told)"),
               arg("--timeout", metavar="S", type=POSITIVE_SECONDS, default=30.0,
                   help="seconds to wait for the ranks to answer"))),)),
-    Command("detach", "leave the current (detached) mesh running and let go of it", (
+    Command("detach", "let go of the current durable mesh; it keeps running", (
         ("", (arg("name", metavar="NAME", nargs="?", default=None,
                   help="the mesh to let go of (default: the current one)"),)),)),
-    Command("list", "your durable meshes on this host and in Slurm: name, shape, state, "
-                    "age, attached to, keep-alive left", parsed=False),
+    Command("list", "your durable meshes: state, age, keep-alive left", parsed=False),
 )
 
 _BY_NAME = {c.name: c for c in COMMANDS}

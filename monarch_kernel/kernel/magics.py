@@ -421,10 +421,12 @@ class MeshMagics(Magics):
         if paused:
             print(f"{ranks_label(paused)} {'is' if len(paused) == 1 else 'are'} paused in "
                   "pdb: %mesh debug  to continue them")
-        pending = [r for r in resumed if _still_running(r) or getattr(r, "finished", False)]
-        if not pending:
+        reqs = list((getattr(m.controller, "resumed", None) or {}).values())
+        if not reqs and not resumed:
             return None
-        running = sorted({rk for r in pending for rk in (getattr(r, "ranks", None) or [])})
+        running = sorted({rk for q in reqs if not q.done() for rk in q.ranks
+                          if rk not in q.replies}
+                         or {rk for r in resumed if _still_running(r) for rk in r.ranks})
         if running:
             print(f"following what {ranks_label(running)} still run"
                   f"{'s' if len(running) == 1 else ''} (interrupt to leave "
@@ -441,9 +443,48 @@ class MeshMagics(Magics):
         return result
 
     def _follow(self, m: ProcMesh) -> Any:
-        """Wait for the requests the mesh was running at attach (``ProcMesh.follow``),
-        their output going to the cell as live output does."""
-        return m.follow()
+        """Wait for the requests the mesh ran while detached to end, showing their
+        output (replayed from their start, then live) as a running cell's is shown
+        (per rank, through the rank stream when the frontend renders it); the value
+        of the last one (a ValueMesh), or the first error raised.
+
+        Raises
+        ------
+        KeyboardInterrupt
+            On an interrupt while waiting; the ranks are left running.
+        """
+        reqs = list((getattr(m.controller, "resumed", None) or {}).values())
+        if not reqs:  # (nothing the controller took over: the mesh's own way)
+            return m.follow()
+        reqs.sort(key=lambda q: not q.done())  # (those that ended first: their output is here)
+        for req in reqs:
+            self._show_request(m, req)
+        value = None
+        for req in reqs:
+            value = m.collect(req, list(req.ranks))
+        return value
+
+    def _show_request(self, m: ProcMesh, req: Request) -> None:
+        """Show ``req``'s output until it is done, as :meth:`wait_cell` does, but
+        an interrupt is not passed on to the ranks (it ends the waiting)."""
+        self._progress_cell = getattr(self, "_progress_cell", 0) + 1
+        shown = self._rank_display = self.rankstream.display(self.ip.display_pub.publish,
+                                                             list(req.ranks))
+        if shown is None:
+            printer = RankPrinter(write_stream, on_progress=self._progress)
+        else:
+            printer = RankPrinter(write_stream, on_progress=shown.progress, on_lines=shown.lines)
+        self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
+        self.running_cell = (m.root, req, self._last_cell[0])  # (the sidebar: "running")
+        try:
+            self._pump(req, printer, time.monotonic(), None, None)
+        finally:
+            self.running_cell = None
+            printer.close()
+            if shown is not None:
+                shown.close()
+                self._rank_display = None
+        finish_cell(m, req, lambda text: write_stream("stderr", text))
 
     def _detach(self, name: str, m: ProcMesh) -> None:
         """Let go of durable mesh ``name``: its ranks keep running."""

@@ -1,0 +1,364 @@
+"""Durable meshes through real kernels (jupyter_client): ``%mesh spawn --detach``
+survives a SIGKILLed kernel, a ``restart_kernel`` and a clean shutdown; ``%mesh
+attach`` in a new kernel finds the same processes with their state and actors,
+shows the output the ranks printed meanwhile and follows the running cell to its
+end; a second attach is refused (``--steal`` takes over); get-or-spawn; the
+``%mesh`` and ``meshes`` command-line input errors.
+
+Every test uses a registry of its own (``MONARCH_MESH_REGISTRY``, inherited by
+the kernels it starts) and stops its meshes in ``finally`` through
+``python -m monarch_kernel meshes stop``, then checks that no worker is left.
+The attach times measured are printed (``-s`` shows them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+from monarch_kernel.testing.kernel import KernelSession, wait_for, worker_pids
+
+pytestmark = pytest.mark.timeout(600)
+
+#: lines the long cell prints on each rank (one every 50 ms: 10 s)
+LINES = 200
+
+LONG_CELL = f"""%%mesh
+import time
+for i in range({LINES}):
+    print(f"r{{rank}} line {{i}}", flush=True)
+    time.sleep(0.05)
+f"done {{rank}}"
+"""
+
+COUNTER = """
+from monarch_kernel import Actor, endpoint
+
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def add(self, k):
+        self.n += k
+        return self.n
+
+counters = train.spawn("counter", Counter)
+print("actor", list(counters.add.call(5).get(timeout=30).values()))
+"""
+
+LINE = re.compile(r"r(\d) line (\d+)\b")
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch) -> Iterator[str]:
+    """A registry directory of this test's own (the kernels inherit the variable)."""
+    path = tmp_path / "meshes"
+    monkeypatch.setenv("MONARCH_MESH_REGISTRY", str(path))
+    yield str(path)
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m monarch_kernel ARGS`` with this test's environment."""
+    return subprocess.run([sys.executable, "-m", "monarch_kernel", *args], capture_output=True,
+                          text=True, timeout=timeout, check=False, env=dict(os.environ))
+
+
+@contextlib.contextmanager
+def cleanup(*names: str) -> Iterator[list[int]]:
+    """Stops meshes ``names`` at the end (whatever happened) and checks that the
+    workers of the kernels whose pids the test appends to the yielded list are gone."""
+    kernels: list[int] = []
+    try:
+        yield kernels
+    finally:
+        for name in names:
+            cli("meshes", "stop", name)
+        try:
+            wait_for(lambda: not any(worker_pids(k) for k in kernels), timeout=20,
+                     what="every worker gone")
+        except TimeoutError:
+            left = [p for k in kernels for p in worker_pids(k)]
+            for p in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            raise AssertionError(f"worker processes left behind: {left}") from None
+
+
+def ok(r: Any) -> Any:
+    assert r.status == "ok", r.error_text() or r.stream()
+    return r
+
+
+def pull(ks: KernelSession, name: str) -> list:
+    r = ok(ks.execute(f"print(sorted((%mesh pull {name}).values()))"))
+    return eval(r.stream("stdout").strip().splitlines()[-1])  # noqa: S307 - our own output
+
+
+def lines_of(text: str) -> dict[int, list[int]]:
+    """``{rank: [line numbers in the order seen]}`` of the long cell's output."""
+    out: dict[int, list[int]] = {}
+    for m in LINE.finditer(text):
+        out.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+    return out
+
+
+def stream_text(msgs: list[dict]) -> str:
+    return "".join(m["content"].get("text", "") for m in msgs if m["msg_type"] == "stream")
+
+
+def start_long_cell(ks: KernelSession, until: int = 40, timeout: float = 60) -> list[dict]:
+    """Send the long cell without waiting for it; the iopub messages it produced
+    until rank 0 printed line ``until``."""
+    msg_id = ks.kc.execute(LONG_CELL)
+    seen: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = ks.kc.get_iopub_msg(timeout=0.2)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        seen.append(msg)
+        got = lines_of(stream_text(seen)).get(0, [])
+        if got and max(got) >= until:
+            return seen
+    raise TimeoutError(f"the long cell did not print line {until} within {timeout} s")
+
+
+def end_kernel(ks: KernelSession, how: str) -> KernelSession | None:
+    """End kernel ``ks`` ``how`` (sigkill, restart, shutdown); the kernel that runs
+    afterwards (the restarted one), else None."""
+    if how == "sigkill":
+        pid = ks.pid
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not psutil.pid_exists(pid) or
+                 psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, what="kernel dead")
+        with contextlib.suppress(Exception):
+            ks.kc.stop_channels()
+        with contextlib.suppress(Exception):
+            ks.km.shutdown_kernel(now=True)
+        return None
+    if how == "restart":
+        ks.km.restart_kernel(now=False)
+        ks.kc.wait_for_ready(timeout=60)
+        return ks
+    ks.shutdown()
+    return None
+
+
+@pytest.mark.parametrize("how", ["sigkill", "restart", "shutdown"])
+def test_attach_after_the_kernel_ended_finds_state_actors_and_the_running_cell(registry, how):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup("train") as kernels:
+        kernels.append(k1.pid)
+        try:
+            r = ok(k1.execute("%mesh spawn 4 --name train --detach --keep-alive 10m", timeout=120))
+            assert "detached" in r.stream(), r.stream()
+            ok(k1.execute("%%mesh\nimport os\nstate = rank * 10 + 1\npid = os.getpid()"))
+            pids = pull(k1, "pid")
+            assert sorted(pids) == sorted(worker_pids(k1.pid)) and len(pids) == 4
+            r = ok(k1.execute(COUNTER, timeout=60))
+            assert "actor [5, 5, 5, 5]" in r.stream(), r.stream()
+            before = stream_text(start_long_cell(k1))
+
+            k2 = end_kernel(k1, how)
+            assert sorted(worker_pids(k1.pid)) == sorted(pids), "the workers must live on"
+            if k2 is None:
+                k2 = KernelSession()
+            kernels.append(k2.pid)
+
+            seen: list[tuple[float, dict]] = []
+            t0 = time.monotonic()
+            r = k2.execute("%mesh attach train", timeout=120,
+                           on_message=lambda m: seen.append((time.monotonic(), m)))
+            ok(r)
+            text = r.stream()
+            attached_at = next(t for t, m in seen if m["msg_type"] == "stream"
+                               and "attached to mesh 'train'" in m["content"].get("text", ""))
+            print(f"\n[{how}] attach seen in the notebook after {attached_at - t0:.2f} s "
+                  f"(cell idle after {time.monotonic() - t0:.2f} s, following the cell)")
+            assert attached_at - t0 < 15, "attach took too long"
+            after = lines_of(text)
+            first = lines_of(before)
+            for rank in range(4):
+                got = after.get(rank, [])
+                assert len(got) == len(set(got)), f"rank {rank}: lines shown twice: {got}"
+                assert set(first.get(rank, [])) | set(got) == set(range(LINES)), \
+                    f"rank {rank}: lines lost: {sorted(set(range(LINES)) - set(got))}"
+                assert got == sorted(got), f"rank {rank}: lines out of order"
+            assert "done 0" in r.result_text() + text, (r.result_text(), text[-500:])
+
+            assert sorted(pull(k2, "pid")) == sorted(pids)
+            assert pull(k2, "state") == [1, 11, 21, 31]
+            r = ok(k2.execute('counters = train.actors("counter")\n'
+                              "print('actor', list(counters.add.call(1).get(timeout=30)"
+                              ".values()))", timeout=60))
+            assert "actor [6, 6, 6, 6]" in r.stream(), r.stream()
+            r = ok(k2.execute("%mesh status"))
+            assert str(pids[0]) in r.result_text()
+            ok(k2.execute("%mesh stop train"))
+            wait_for(lambda: not worker_pids(k1.pid), 20, what="workers gone after stop")
+            r = ok(k2.execute("%mesh list"))
+            assert "train" not in r.result_text()
+        finally:
+            for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
+                with contextlib.suppress(Exception):
+                    ks.shutdown()
+
+
+def test_second_attach_refused_steal_takes_over_and_the_first_is_told(registry):
+    k1 = KernelSession()
+    k2 = KernelSession()
+    with cleanup("shared") as kernels:
+        kernels += [k1.pid, k2.pid]
+        try:
+            ok(k1.execute("%mesh spawn 4 --name shared --detach", timeout=120))
+            pids = sorted(worker_pids(k1.pid))
+            r = k2.execute("%mesh attach shared")
+            assert r.status == "error" and r.reply["content"]["ename"] == "UsageError"
+            evalue = r.reply["content"]["evalue"]
+            assert "--steal" in evalue and str(k1.pid) in evalue, evalue
+            t0 = time.monotonic()
+            r = ok(k2.execute("%mesh attach shared --steal", timeout=60))
+            took = time.monotonic() - t0
+            print(f"\nattach --steal (nothing running), execute_request to idle: {took:.2f} s")
+            assert took < 15
+            assert sorted(pull(k2, "rank")) == [0, 1, 2, 3]
+            assert sorted(worker_pids(k1.pid)) == pids
+            r = k1.execute("%mesh status")
+            assert r.status == "error", r.result_text()
+            assert "taken over" in r.error_text(), r.error_text()
+            r = ok(k2.execute("%mesh list"))
+            assert "shared" in r.result_text() and "this kernel" in r.result_text()
+
+            # detach and attach again with nothing running: the attach time alone
+            ok(k2.execute("%mesh detach"))
+            t0 = time.monotonic()
+            r = ok(k2.execute("%mesh attach shared", timeout=60))
+            took = time.monotonic() - t0
+            print(f"attach (4 local ranks, nothing running), execute_request to idle: "
+                  f"{took:.2f} s")
+            assert took < 15
+        finally:
+            k1.shutdown()
+            k2.shutdown()
+
+
+def test_get_or_spawn_makes_no_second_set_of_processes(registry):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup("gos") as kernels:
+        kernels.append(k1.pid)
+        try:
+            ok(k1.execute("%mesh spawn 4 --name gos --detach", timeout=120))
+            pids = sorted(worker_pids(k1.pid))
+            r = ok(k1.execute("%mesh spawn 4 --name gos --detach"))
+            assert "attached to this kernel already" in r.stream(), r.stream()
+            assert sorted(worker_pids(k1.pid)) == pids
+            ok(k1.execute("%mesh detach"))
+            k1.shutdown()
+            k2 = KernelSession()
+            kernels.append(k2.pid)
+            r = ok(k2.execute("%mesh spawn 4 --name gos --detach", timeout=120))
+            assert "alive already: attached to it instead of spawning" in r.stream(), r.stream()
+            assert not worker_pids(k2.pid), "a second set of workers was started"
+            assert sorted(worker_pids(k1.pid)) == pids
+            assert sorted(pull(k2, "rank")) == [0, 1, 2, 3]
+        finally:
+            k1.shutdown()
+            if k2 is not None:
+                k2.shutdown()
+
+
+def test_plain_meshes_still_end_with_their_kernel(registry):
+    k = KernelSession()
+    pid = k.pid
+    try:
+        ok(k.execute("%mesh spawn 2", timeout=120))
+        r = ok(k.execute("%mesh list"))
+        assert "no durable meshes" in r.result_text()
+    finally:
+        k.shutdown()
+    wait_for(lambda: not worker_pids(pid), 10, what="workers of a plain mesh gone")
+
+
+def _usage_error(r: Any, *hints: str) -> str:
+    assert r.status == "error", r.stream()
+    content = r.reply["content"]
+    assert content["ename"] == "UsageError", r.error_text()
+    evalue = content["evalue"].strip()
+    assert "\n" not in evalue and len(evalue) < 300, evalue
+    for h in hints:
+        assert re.search(h, evalue), (h, evalue)
+    return evalue
+
+
+def test_magic_input_errors_leave_the_running_mesh_alone(registry):
+    k = KernelSession()
+    with cleanup() as kernels:
+        kernels.append(k.pid)
+        try:
+            ok(k.execute("%mesh spawn 2", timeout=120))
+            pids = sorted(worker_pids(k.pid))
+            bad = [
+                ("%mesh spawn 2 --name mesh --detach --keep-alive 1w", r"--keep-alive.*30s"),
+                ("%mesh spawn 2 --name mesh --detach --keep-alive 0", r"positive duration"),
+                ("%mesh spawn 2 --name mesh --detach --keep-alive nan", r"positive duration"),
+                ("%mesh spawn 2 --name mesh --detach --keep-alive=-1h", r"positive duration"),
+                ("%mesh spawn 2 --detach", r"--detach needs --name"),
+                ("%mesh spawn 2 --name mesh --keep-alive 1h", r"add --detach"),
+                ("%mesh attach", r"attach"),
+                ("%mesh attach nosuch", r"no mesh named 'nosuch'"),
+                ("%mesh stop nosuch", r"nosuch"),
+                ("%mesh detach", r"without --detach"),
+                ("%mesh detach other", r"no mesh named 'other'"),
+                ("%mesh list extra", r"unexpected arguments"),
+                ("%mesh stop mesh --all", r"not both"),
+            ]
+            for line, hint in bad:
+                _usage_error(k.execute(line), hint)
+                assert sorted(worker_pids(k.pid)) == pids, f"{line!r} touched the mesh"
+            assert sorted(pull(k, "rank")) == [0, 1]
+        finally:
+            k.shutdown()
+
+
+def test_command_line_list_and_stop(registry):
+    r = cli("meshes", "list")
+    assert r.returncode == 0 and "no durable meshes" in r.stdout, r.stderr
+    r = cli("meshes", "stop", "nosuch")
+    assert r.returncode == 1 and "nosuch" in r.stderr and "Traceback" not in r.stderr
+    r = cli("meshes")
+    assert r.returncode == 2 and "list" in r.stderr
+    r = cli("meshes", "frob")
+    assert r.returncode == 2
+    k = KernelSession()
+    with cleanup("cli") as kernels:
+        kernels.append(k.pid)
+        try:
+            ok(k.execute("%mesh spawn 2 --name cli --detach --keep-alive 30m", timeout=120))
+            ok(k.execute("%mesh detach"))
+            r = cli("meshes", "list", "--plain")
+            assert r.returncode == 0, r.stderr
+            row = next(ln for ln in r.stdout.splitlines() if ln.startswith("cli "))
+            assert "detached" in row and "1 host x 2 procs" in row and "local" in row, row
+            assert re.search(r"\b(29|30)m\b", row), row
+            r = cli("meshes", "stop", "cli")
+            assert r.returncode == 0 and "stopped" in r.stdout, r.stderr
+            wait_for(lambda: not worker_pids(k.pid), 20, what="workers gone after meshes stop")
+            assert "no durable meshes" in cli("meshes", "list").stdout
+        finally:
+            k.shutdown()
