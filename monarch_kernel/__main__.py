@@ -109,7 +109,7 @@ def _meshes(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        stop_mesh(a.name, timeout=a.timeout, **_force(stop_mesh))
+        stop_mesh(a.name, timeout=a.timeout, force=True)
     except NoMeshError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -118,17 +118,6 @@ def _meshes(argv: list[str]) -> int:
         return 1
     print(f"mesh {a.name!r} stopped")
     return 0
-
-
-def _force(fn: object) -> dict[str, bool]:
-    """``{"force": True}`` if ``fn`` takes ``force`` (stop a mesh attached elsewhere too)."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return {}
-    return {"force": True} if "force" in params else {}
 
 
 COMMANDS = {"install": _install, "worker": _worker, "meshes": _meshes}

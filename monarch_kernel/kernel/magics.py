@@ -11,7 +11,7 @@ the kernel stays usable.
 from __future__ import annotations
 
 import argparse
-import inspect
+import re
 import shlex
 import sys
 import time
@@ -118,13 +118,15 @@ def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _lost(m: ProcMesh) -> str:
-    """Why this kernel lost durable mesh ``m`` (another kernel took it over with
-    ``--steal``), in words, or ``""``."""
-    by = getattr(m.root, "stolen_by", None) or getattr(m.root, "lost", None)
-    if not by:
-        return ""
-    return f"was taken over by {by} (%mesh attach --steal there)" if isinstance(by, str) \
-        else "was taken over by another kernel (%mesh attach --steal)"
+    """Why this kernel no longer drives durable mesh ``m`` (another kernel took it
+    over with ``--steal``; it was detached), in the mesh's words, or ``""``."""
+    gone = getattr(m.root, "_gone", None)
+    return str(gone) if gone else ""
+
+
+def _drives(m: ProcMesh) -> bool:
+    """Whether this kernel drives mesh ``m``: not stopped, not detached, not taken over."""
+    return not m.root._stopped and not _lost(m)
 
 
 def _durable(m: ProcMesh) -> bool:
@@ -137,6 +139,13 @@ def _unlike(m: ProcMesh, dims: dict[str, int]) -> str:
     if dict(m.shape.dims) == dict(dims):
         return ""
     return f"; not the {human_shape(dims)} asked for"
+
+
+def _magic_words(message: str, name: str) -> str:
+    """An API message in the magics' words (``%mesh spawn ... --detach``, not
+    ``spawn_procs(..., detach=True)``)."""
+    return re.sub(r"spawn_procs\([^)]*detach=True\)", f"%mesh spawn N --name {name} --detach",
+                  message)
 
 
 def _steal_hint(message: str, name: str) -> str:
@@ -189,14 +198,27 @@ class MeshMagics(Magics):
         """
         m = self.meshes.get(self.current or "")
         lost = _lost(m) if m is not None else ""
-        if lost:
-            self.meshes.pop(self.current or "", None)
-            raise UsageError(f"mesh {self.current!r} {lost}; %mesh attach {self.current} "
-                             "--steal  takes it back")
+        if m is not None and lost:
+            self.forget(self.current or "", m)
+            name = self.current
+            if "taken over" in lost:
+                raise UsageError(f"{lost.split('; ')[0]}: this kernel lost it;  %mesh attach "
+                                 f"{name} --steal  takes it back")
+            raise UsageError(f"mesh {name!r}: {lost}")
         if m is None or m.root._stopped:
             raise UsageError("no mesh is running; start one first with  %mesh spawn 4  (or "
                              "%mesh use NAME for a mesh made with spawn_procs in a cell)")
         return m
+
+    def forget(self, name: str, m: ProcMesh) -> None:
+        """Drop mesh ``name`` that this kernel no longer drives (taken over by another
+        kernel), closing its controller's side here; its ranks are not touched."""
+        if self.meshes.get(name) is m:
+            self.meshes.pop(name, None)
+        try:
+            m.root.controller.close()
+        except Exception:  # noqa: BLE001 - closing what is left is best effort
+            pass
 
     def stop_all(self) -> None:
         """Stop every mesh of the kernel (``%mesh stop --all``), durable ones too."""
@@ -212,7 +234,7 @@ class MeshMagics(Magics):
         ranks keep running, ``%mesh attach`` finds them again) and stop every other."""
         for m in list(self.meshes.values()):
             try:
-                if _durable(m) and not m.root._stopped:
+                if _durable(m) and _drives(m):
                     m.detach()
                 else:
                     m.stop(timeout=3)
@@ -273,6 +295,9 @@ class MeshMagics(Magics):
         name = a.name if a.name is not None else "mesh"
         if not name.isidentifier():
             raise UsageError(f"%mesh spawn: --name {name!r} is not a Python identifier")
+        if a.detach and not mesh_registry.valid_name(name):
+            raise UsageError(f"%mesh spawn: --name {name!r} cannot name a durable mesh; use "
+                             "up to 64 letters, digits and _ starting with a letter")
         if a.detach and a.name is None:
             raise UsageError("%mesh spawn: --detach needs --name NAME: the name you attach "
                              "the mesh by later (e.g.  %mesh spawn 4 --name train --detach)")
@@ -293,14 +318,14 @@ class MeshMagics(Magics):
         except (ValueError, TypeError, MeshError) as e:
             raise UsageError(f"%mesh spawn: {_force_hint(str(e))}") from None
         held = self.meshes.get(name)
-        if a.detach and held is not None and not held.root._stopped and _durable(held):
+        if a.detach and held is not None and _drives(held) and _durable(held):
             self.current = name
             print(f"mesh {name!r} is attached to this kernel already "
                   f"({human_shape(held.shape.dims)}{_unlike(held, dims)}); "
                   f"%mesh stop {name} first to spawn a new one")
             return None
         old = self.meshes.pop(name, None)
-        if old is not None and not old.root._stopped:
+        if old is not None and _drives(old):
             print(f"stopping the previous mesh {name!r} ({human_shape(old.shape.dims)})")
             old.stop()
         durable: dict[str, Any] = {}
@@ -357,7 +382,7 @@ class MeshMagics(Magics):
         else:
             name = a.name
             held = self.meshes.get(name)
-            if held is None or held.root._stopped:
+            if held is None or not _drives(held):
                 self._stop_elsewhere(name)
                 return
             m = held
@@ -369,13 +394,10 @@ class MeshMagics(Magics):
 
     def _stop_elsewhere(self, name: str) -> None:
         """``%mesh stop NAME`` for a durable mesh this kernel does not hold."""
-        kwargs: dict[str, Any] = {}
-        if "force" in inspect.signature(mk.stop_mesh).parameters:
-            kwargs["force"] = True  # (the user named it: attached elsewhere or not)
         try:
-            mk.stop_mesh(name, **kwargs)
+            mk.stop_mesh(name, force=True)  # (the user named it: attached elsewhere or not)
         except NoMeshError as e:
-            raise UsageError(f"%mesh stop: {e}") from None
+            raise UsageError(f"%mesh stop: {_magic_words(str(e), name)}") from None
         except MeshBusyError as e:
             raise UsageError(f"%mesh stop: {e}") from None
         self.meshes.pop(name, None)
@@ -385,19 +407,19 @@ class MeshMagics(Magics):
         a = command("attach").parse(argv)
         name = a.name
         held = self.meshes.get(name)
-        if held is not None and not held.root._stopped:
+        if held is not None and _drives(held):
             self.current = name
             print(f"mesh {name!r} is attached to this kernel already "
                   f"({len(held)} ranks, {human_shape(held.shape.dims)})")
             return None
-        kwargs: dict[str, Any] = {"steal": a.steal, "timeout": a.timeout}
-        if "on_output" in inspect.signature(mk.attach).parameters:
-            kwargs["on_output"] = BackgroundOutput()  # (as %mesh spawn's meshes)
+        if held is not None:  # (taken over by another kernel, or detached)
+            self.forget(name, held)
         t0 = time.monotonic()
         try:
-            m = mk.attach(name, **kwargs)
+            m = mk.attach(name, steal=a.steal, timeout=a.timeout,
+                          on_output=BackgroundOutput())  # (as %mesh spawn's meshes)
         except NoMeshError as e:
-            raise UsageError(f"%mesh attach: {e}") from None
+            raise UsageError(f"%mesh attach: {_magic_words(str(e), name)}") from None
         except MeshBusyError as e:
             raise UsageError(f"%mesh attach: {_steal_hint(str(e), name)}") from None
         self._hold(name, m)
@@ -413,7 +435,7 @@ class MeshMagics(Magics):
         comes, their result returned, their error raised). An interrupt while
         following leaves the ranks running and detaches again."""
         resumed = list(getattr(m, "resumed", None) or [])
-        dropped = sum(int(getattr(r, "dropped", 0) or 0) for r in resumed)
+        dropped = sum(int(getattr(r, "dropped_bytes", 0) or 0) for r in resumed)
         if dropped:
             print(f"{fmt_bytes(dropped)} of output the ranks printed while detached was "
                   "dropped (beyond the bound kept per rank)", file=sys.stderr)
@@ -460,8 +482,11 @@ class MeshMagics(Magics):
         for req in reqs:
             self._show_request(m, req)
         value = None
-        for req in reqs:
-            value = m.collect(req, list(req.ranks))
+        try:
+            for req in reqs:
+                value = m.collect(req, list(req.ranks))
+        finally:
+            m.controller.resumed.clear()  # (followed: not again at the next attach here)
         return value
 
     def _show_request(self, m: ProcMesh, req: Request) -> None:
@@ -502,7 +527,7 @@ class MeshMagics(Magics):
         else:
             name = a.name
             held = self.meshes.get(name)
-            if held is None or held.root._stopped:
+            if held is None or not _drives(held):
                 raise UsageError(f"%mesh detach: this kernel holds no mesh named {name!r} "
                                  f"(held: {self._held_names() or 'none'})")
             m = held
@@ -520,11 +545,11 @@ class MeshMagics(Magics):
         if argv:
             raise UsageError(f"%mesh list: unexpected arguments {' '.join(argv)!r}. "
                              f"Usage: {command('list').usage()}")
-        here = {n for n, m in self.meshes.items() if not m.root._stopped}
+        here = {n for n, m in self.meshes.items() if _drives(m)}
         return MeshTable(mesh_registry.list_meshes(), here=here)
 
     def _held_names(self) -> str:
-        return ", ".join(repr(n) for n, pm in self.meshes.items() if not pm.root._stopped)
+        return ", ".join(repr(n) for n, pm in self.meshes.items() if _drives(pm))
 
     def _cmd_use(self, argv: list[str]) -> None:
         a = command("use").parse(argv)

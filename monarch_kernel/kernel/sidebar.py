@@ -165,7 +165,7 @@ def kernel_state(magics: Any, seq: int = 0, interval: float = DEFAULT_INTERVAL
     running = getattr(magics, "running_cell", None)
     meshes = []
     for name, m in list(magics.meshes.items()):
-        if m.root._stopped:
+        if m.root._stopped or getattr(m.root, "_gone", None):  # (detached, taken over)
             continue
         try:
             run = running if running is not None and running[0] is m.root else None

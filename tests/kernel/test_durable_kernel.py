@@ -362,3 +362,54 @@ def test_command_line_list_and_stop(registry):
             assert "no durable meshes" in cli("meshes", "list").stdout
         finally:
             k.shutdown()
+
+
+def test_interrupt_while_following_leaves_the_ranks_running_and_detaches(registry):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup("follow") as kernels:
+        kernels.append(k1.pid)
+        try:
+            ok(k1.execute("%mesh spawn 4 --name follow --detach", timeout=120))
+            pids = sorted(worker_pids(k1.pid))
+            start_long_cell(k1, until=5)
+            end_kernel(k1, "sigkill")
+            k2 = KernelSession()
+            kernels.append(k2.pid)
+            msg_id = k2.kc.execute("%mesh attach follow")
+            seen: list[dict] = []
+            deadline = time.monotonic() + 60
+            while not lines_of(stream_text(seen)).get(0) or \
+                    max(lines_of(stream_text(seen))[0]) < 60:
+                assert time.monotonic() < deadline, stream_text(seen)[-500:]
+                with contextlib.suppress(Exception):
+                    msg = k2.kc.get_iopub_msg(timeout=0.2)
+                    if msg["parent_header"].get("msg_id") == msg_id:
+                        seen.append(msg)
+            k2.interrupt()
+            deadline = time.monotonic() + 30
+            while True:
+                assert time.monotonic() < deadline, "no idle after the interrupt"
+                try:
+                    msg = k2.kc.get_iopub_msg(timeout=0.2)
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    break
+                seen.append(msg)
+            k2.sync_shell()
+            said = [ln for ln in stream_text(seen).splitlines() if "keep running" in ln]
+            assert len(said) == 1 and "detached again" in said[0], stream_text(seen)[-800:]
+            r = ok(k2.execute("%mesh list"))
+            assert re.search(r"follow\s.*detached", r.result_text()), r.result_text()
+            assert sorted(worker_pids(k1.pid)) == pids, "the ranks must keep running"
+            r = ok(k2.execute("%mesh attach follow", timeout=60))
+            got = lines_of(r.stream())
+            assert got.get(0) and got[0][-1] == LINES - 1, r.stream()[-500:]
+            assert "done 0" in r.result_text() + r.stream()
+        finally:
+            k1.shutdown()
+            if k2 is not None:
+                k2.shutdown()
