@@ -74,25 +74,49 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, check=False, env=dict(os.environ))
 
 
-@contextlib.contextmanager
-def cleanup(*names: str) -> Iterator[list[int]]:
-    """Stops meshes ``names`` at the end (whatever happened) and checks that the
-    workers of the kernels whose pids the test appends to the yielded list are gone."""
-    kernels: list[int] = []
+def workers(registry: str) -> list[int]:
+    """Pids of the live worker processes started under this test's registry (every
+    kernel of the test, and so every worker, inherits ``MONARCH_MESH_REGISTRY``;
+    a detached mesh's workers name no controller pid)."""
+    return [p for p in worker_pids() if _env(p).get("MONARCH_MESH_REGISTRY") == registry]
+
+
+def _env(pid: int) -> dict[str, str]:
     try:
-        yield kernels
+        return psutil.Process(pid).environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return {}
+
+
+def _leftovers(registry: str) -> list[int]:
+    """This test's workers and mesh guardians still alive."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if (("monarch_kernel worker" in cmd or "launchers/guard.py" in cmd)
+                and p.info.get("status") != psutil.STATUS_ZOMBIE
+                and _env(p.info["pid"]).get("MONARCH_MESH_REGISTRY") == registry):
+            out.append(p.info["pid"])
+    return out
+
+
+@contextlib.contextmanager
+def cleanup(registry: str, *names: str) -> Iterator[None]:
+    """Stops meshes ``names`` at the end (whatever happened) and checks that no
+    worker or guardian of this test is left."""
+    try:
+        yield
     finally:
         for name in names:
             cli("meshes", "stop", name)
         try:
-            wait_for(lambda: not any(worker_pids(k) for k in kernels), timeout=20,
-                     what="every worker gone")
+            wait_for(lambda: not _leftovers(registry), timeout=20, what="every worker gone")
         except TimeoutError:
-            left = [p for k in kernels for p in worker_pids(k)]
+            left = _leftovers(registry)
             for p in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
-            raise AssertionError(f"worker processes left behind: {left}") from None
+            raise AssertionError(f"processes left behind: {left}") from None
 
 
 def ok(r: Any) -> Any:
@@ -101,7 +125,7 @@ def ok(r: Any) -> Any:
 
 
 def pull(ks: KernelSession, name: str) -> list:
-    r = ok(ks.execute(f"print(sorted((%mesh pull {name}).values()))"))
+    r = ok(ks.execute(f"_pulled = %mesh pull {name}\nprint(sorted(_pulled.values()))"))
     return eval(r.stream("stdout").strip().splitlines()[-1])  # noqa: S307 - our own output
 
 
@@ -162,23 +186,21 @@ def end_kernel(ks: KernelSession, how: str) -> KernelSession | None:
 def test_attach_after_the_kernel_ended_finds_state_actors_and_the_running_cell(registry, how):
     k1 = KernelSession()
     k2: KernelSession | None = None
-    with cleanup("train") as kernels:
-        kernels.append(k1.pid)
+    with cleanup(registry, "train"):
         try:
             r = ok(k1.execute("%mesh spawn 4 --name train --detach --keep-alive 10m", timeout=120))
             assert "detached" in r.stream(), r.stream()
             ok(k1.execute("%%mesh\nimport os\nstate = rank * 10 + 1\npid = os.getpid()"))
             pids = pull(k1, "pid")
-            assert sorted(pids) == sorted(worker_pids(k1.pid)) and len(pids) == 4
+            assert sorted(pids) == sorted(workers(registry)) and len(pids) == 4
             r = ok(k1.execute(COUNTER, timeout=60))
             assert "actor [5, 5, 5, 5]" in r.stream(), r.stream()
             before = stream_text(start_long_cell(k1))
 
             k2 = end_kernel(k1, how)
-            assert sorted(worker_pids(k1.pid)) == sorted(pids), "the workers must live on"
+            assert sorted(workers(registry)) == sorted(pids), "the workers must live on"
             if k2 is None:
                 k2 = KernelSession()
-            kernels.append(k2.pid)
 
             seen: list[tuple[float, dict]] = []
             t0 = time.monotonic()
@@ -210,7 +232,7 @@ def test_attach_after_the_kernel_ended_finds_state_actors_and_the_running_cell(r
             r = ok(k2.execute("%mesh status"))
             assert str(pids[0]) in r.result_text()
             ok(k2.execute("%mesh stop train"))
-            wait_for(lambda: not worker_pids(k1.pid), 20, what="workers gone after stop")
+            wait_for(lambda: not workers(registry), 20, what="workers gone after stop")
             r = ok(k2.execute("%mesh list"))
             assert "train" not in r.result_text()
         finally:
@@ -222,11 +244,10 @@ def test_attach_after_the_kernel_ended_finds_state_actors_and_the_running_cell(r
 def test_second_attach_refused_steal_takes_over_and_the_first_is_told(registry):
     k1 = KernelSession()
     k2 = KernelSession()
-    with cleanup("shared") as kernels:
-        kernels += [k1.pid, k2.pid]
+    with cleanup(registry, "shared"):
         try:
             ok(k1.execute("%mesh spawn 4 --name shared --detach", timeout=120))
-            pids = sorted(worker_pids(k1.pid))
+            pids = sorted(workers(registry))
             r = k2.execute("%mesh attach shared")
             assert r.status == "error" and r.reply["content"]["ename"] == "UsageError"
             evalue = r.reply["content"]["evalue"]
@@ -237,7 +258,7 @@ def test_second_attach_refused_steal_takes_over_and_the_first_is_told(registry):
             print(f"\nattach --steal (nothing running), execute_request to idle: {took:.2f} s")
             assert took < 15
             assert sorted(pull(k2, "rank")) == [0, 1, 2, 3]
-            assert sorted(worker_pids(k1.pid)) == pids
+            assert sorted(workers(registry)) == pids
             r = k1.execute("%mesh status")
             assert r.status == "error", r.result_text()
             assert "taken over" in r.error_text(), r.error_text()
@@ -260,22 +281,20 @@ def test_second_attach_refused_steal_takes_over_and_the_first_is_told(registry):
 def test_get_or_spawn_makes_no_second_set_of_processes(registry):
     k1 = KernelSession()
     k2: KernelSession | None = None
-    with cleanup("gos") as kernels:
-        kernels.append(k1.pid)
+    with cleanup(registry, "gos"):
         try:
             ok(k1.execute("%mesh spawn 4 --name gos --detach", timeout=120))
-            pids = sorted(worker_pids(k1.pid))
+            pids = sorted(workers(registry))
             r = ok(k1.execute("%mesh spawn 4 --name gos --detach"))
             assert "attached to this kernel already" in r.stream(), r.stream()
-            assert sorted(worker_pids(k1.pid)) == pids
+            assert sorted(workers(registry)) == pids
             ok(k1.execute("%mesh detach"))
             k1.shutdown()
             k2 = KernelSession()
-            kernels.append(k2.pid)
             r = ok(k2.execute("%mesh spawn 4 --name gos --detach", timeout=120))
             assert "alive already: attached to it instead of spawning" in r.stream(), r.stream()
-            assert not worker_pids(k2.pid), "a second set of workers was started"
-            assert sorted(worker_pids(k1.pid)) == pids
+            assert len(workers(registry)) == 4, "a second set of workers was started"
+            assert sorted(workers(registry)) == pids
             assert sorted(pull(k2, "rank")) == [0, 1, 2, 3]
         finally:
             k1.shutdown()
@@ -285,14 +304,13 @@ def test_get_or_spawn_makes_no_second_set_of_processes(registry):
 
 def test_plain_meshes_still_end_with_their_kernel(registry):
     k = KernelSession()
-    pid = k.pid
     try:
         ok(k.execute("%mesh spawn 2", timeout=120))
         r = ok(k.execute("%mesh list"))
         assert "no durable meshes" in r.result_text()
     finally:
         k.shutdown()
-    wait_for(lambda: not worker_pids(pid), 10, what="workers of a plain mesh gone")
+    wait_for(lambda: not workers(registry), 10, what="workers of a plain mesh gone")
 
 
 def _usage_error(r: Any, *hints: str) -> str:
@@ -308,11 +326,10 @@ def _usage_error(r: Any, *hints: str) -> str:
 
 def test_magic_input_errors_leave_the_running_mesh_alone(registry):
     k = KernelSession()
-    with cleanup() as kernels:
-        kernels.append(k.pid)
+    with cleanup(registry):
         try:
             ok(k.execute("%mesh spawn 2", timeout=120))
-            pids = sorted(worker_pids(k.pid))
+            pids = sorted(workers(registry))
             bad = [
                 ("%mesh spawn 2 --name mesh --detach --keep-alive 1w", r"--keep-alive.*30s"),
                 ("%mesh spawn 2 --name mesh --detach --keep-alive 0", r"positive duration"),
@@ -330,7 +347,7 @@ def test_magic_input_errors_leave_the_running_mesh_alone(registry):
             ]
             for line, hint in bad:
                 _usage_error(k.execute(line), hint)
-                assert sorted(worker_pids(k.pid)) == pids, f"{line!r} touched the mesh"
+                assert sorted(workers(registry)) == pids, f"{line!r} touched the mesh"
             assert sorted(pull(k, "rank")) == [0, 1]
         finally:
             k.shutdown()
@@ -346,8 +363,7 @@ def test_command_line_list_and_stop(registry):
     r = cli("meshes", "frob")
     assert r.returncode == 2
     k = KernelSession()
-    with cleanup("cli") as kernels:
-        kernels.append(k.pid)
+    with cleanup(registry, "cli"):
         try:
             ok(k.execute("%mesh spawn 2 --name cli --detach --keep-alive 30m", timeout=120))
             ok(k.execute("%mesh detach"))
@@ -358,7 +374,7 @@ def test_command_line_list_and_stop(registry):
             assert re.search(r"\b(29|30)m\b", row), row
             r = cli("meshes", "stop", "cli")
             assert r.returncode == 0 and "stopped" in r.stdout, r.stderr
-            wait_for(lambda: not worker_pids(k.pid), 20, what="workers gone after meshes stop")
+            wait_for(lambda: not workers(registry), 20, what="workers gone after meshes stop")
             assert "no durable meshes" in cli("meshes", "list").stdout
         finally:
             k.shutdown()
@@ -367,15 +383,13 @@ def test_command_line_list_and_stop(registry):
 def test_interrupt_while_following_leaves_the_ranks_running_and_detaches(registry):
     k1 = KernelSession()
     k2: KernelSession | None = None
-    with cleanup("follow") as kernels:
-        kernels.append(k1.pid)
+    with cleanup(registry, "follow"):
         try:
             ok(k1.execute("%mesh spawn 4 --name follow --detach", timeout=120))
-            pids = sorted(worker_pids(k1.pid))
+            pids = sorted(workers(registry))
             start_long_cell(k1, until=5)
             end_kernel(k1, "sigkill")
             k2 = KernelSession()
-            kernels.append(k2.pid)
             msg_id = k2.kc.execute("%mesh attach follow")
             seen: list[dict] = []
             deadline = time.monotonic() + 60
@@ -404,7 +418,7 @@ def test_interrupt_while_following_leaves_the_ranks_running_and_detaches(registr
             assert len(said) == 1 and "detached again" in said[0], stream_text(seen)[-800:]
             r = ok(k2.execute("%mesh list"))
             assert re.search(r"follow\s.*detached", r.result_text()), r.result_text()
-            assert sorted(worker_pids(k1.pid)) == pids, "the ranks must keep running"
+            assert sorted(workers(registry)) == pids, "the ranks must keep running"
             r = ok(k2.execute("%mesh attach follow", timeout=60))
             got = lines_of(r.stream())
             assert got.get(0) and got[0][-1] == LINES - 1, r.stream()[-500:]

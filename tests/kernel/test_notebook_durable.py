@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from notebook_helpers import RestartingClient, kernel_pid_hook
 
@@ -19,6 +20,19 @@ from monarch_kernel.testing.kernel import wait_for, worker_pids
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def _workers(registry: str) -> list[int]:
+    """This run's workers (they inherit its MONARCH_MESH_REGISTRY; a durable mesh's
+    workers name no controller pid)."""
+    out = []
+    for pid in worker_pids():
+        try:
+            if psutil.Process(pid).environ().get("MONARCH_MESH_REGISTRY") == registry:
+                out.append(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
 
 
 def _texts(cell) -> str:
@@ -32,7 +46,8 @@ def _texts(cell) -> str:
 
 
 def test_durable_mesh_notebook_survives_a_kernel_restart(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONARCH_MESH_REGISTRY", str(tmp_path / "meshes"))  # (the kernel's too)
+    registry = str(tmp_path / "meshes")
+    monkeypatch.setenv("MONARCH_MESH_REGISTRY", registry)  # (the kernel's too)
     nb = nbformat.read(ROOT / "notebooks" / "07_durable_mesh.ipynb", as_version=4)
     ref: list = []
     kernel: list[int] = []
@@ -42,7 +57,7 @@ def test_durable_mesh_notebook_survives_a_kernel_restart(tmp_path, monkeypatch):
     try:
         client.execute()
     finally:
-        if kernel and worker_pids(kernel[0]):  # (a failed run: its mesh must not live on)
+        if _workers(registry):  # (a failed run: its mesh must not live on)
             subprocess.run([sys.executable, "-m", "monarch_kernel", "meshes", "stop", "train"],
                            capture_output=True, timeout=60, check=False)
     assert client.restarts == 1 and client.pids and client.pids[0] != kernel[0]
@@ -60,4 +75,4 @@ def test_durable_mesh_notebook_survives_a_kernel_restart(tmp_path, monkeypatch):
     actor = next(_texts(c) for c in code if 'train.actors("trainer")' in c.source)
     assert "101" in actor, actor
     assert "stopped" in by_source["%mesh stop train"]
-    wait_for(lambda: not worker_pids(kernel[0]), timeout=20, what="workers exit")
+    wait_for(lambda: not _workers(registry), timeout=20, what="workers exit")
