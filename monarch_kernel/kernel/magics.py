@@ -422,6 +422,8 @@ class MeshMagics(Magics):
             raise UsageError(f"%mesh attach: {_magic_words(str(e), name)}") from None
         except MeshBusyError as e:
             raise UsageError(f"%mesh attach: {_steal_hint(str(e), name)}") from None
+        except TimeoutError as e:
+            raise UsageError(f"%mesh attach: mesh {name!r} did not answer: {e}") from None
         self._hold(name, m)
         took = time.monotonic() - t0
         stole = " (taken over with --steal: the kernel that held it was told)" if a.steal else ""

@@ -104,8 +104,12 @@ def _leftovers(registry: str) -> list[int]:
 def cleanup(registry: str, *names: str) -> Iterator[None]:
     """Stops meshes ``names`` at the end (whatever happened) and checks that no
     worker or guardian of this test is left."""
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         for name in names:
             cli("meshes", "stop", name)
@@ -116,7 +120,8 @@ def cleanup(registry: str, *names: str) -> Iterator[None]:
             for p in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
-            raise AssertionError(f"processes left behind: {left}") from None
+            if not failed:  # (else the test's own error is the one to see)
+                raise AssertionError(f"processes left behind: {left}") from None
 
 
 def ok(r: Any) -> Any:
