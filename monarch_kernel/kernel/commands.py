@@ -26,7 +26,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
+from monarch_kernel.mesh.procmesh import ProcMesh, attach, spawn_procs
 from monarch_kernel.mesh.supervision import RESTART_POLICIES
 from monarch_kernel.tensors.handles import show
 from monarch_kernel.util.numbers import check_number, parse_duration
@@ -293,21 +293,22 @@ COMMANDS: tuple[Command, ...] = (
     Command("use", "make mesh NAME (spawn --name, or a variable holding a spawn_procs mesh) "
                    "the current one", (
         ("", (arg("name", metavar="NAME"),)),)),
-    Command("stop", "stop the current mesh (NAME: that mesh, from any kernel; --all: every "
-                    "mesh of this kernel)", (
-        ("", (arg("name", metavar="NAME", nargs="?", default=None,
-                  help="the mesh to stop (default: the current one)"),
-              arg("--all", action="store_true", help="stop every mesh of the kernel"))),)),
     Command("attach", "attach to durable mesh NAME, follow what it runs", (
         ("", (arg("name", metavar="NAME", help="the mesh's name (see  %mesh list)"),
               arg("--steal", action="store_true",
                   help="take it over from the kernel that holds it (that kernel is told)"),
-              arg("--timeout", metavar="S", type=POSITIVE_SECONDS, default=30.0,
+              arg("--timeout", metavar="S", type=POSITIVE_SECONDS,
+                  default=_default(attach, "timeout"),
                   help="seconds to wait for the ranks to answer"))),)),
     Command("detach", "let go of the current durable mesh; it keeps running", (
         ("", (arg("name", metavar="NAME", nargs="?", default=None,
                   help="the mesh to let go of (default: the current one)"),)),)),
     Command("list", "your durable meshes: state, age, keep-alive left", parsed=False),
+    Command("stop", "stop the current mesh (NAME: that mesh, from any kernel; --all: every "
+                    "mesh of this kernel)", (
+        ("", (arg("name", metavar="NAME", nargs="?", default=None,
+                  help="the mesh to stop (default: the current one)"),
+              arg("--all", action="store_true", help="stop every mesh of the kernel"))),)),
 )
 
 _BY_NAME = {c.name: c for c in COMMANDS}
