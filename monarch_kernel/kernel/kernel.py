@@ -119,6 +119,7 @@ class MonarchKernel(IPythonKernel):
         self.mesh_sidebar.register(self.comm_manager)
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        self.mesh_magics.shutting_down.set()  # (a durable mesh's running cell: left running)
         self.mesh_sidebar.close()
         self.mesh_magics.release_all()  # (durable meshes are detached, not stopped)
         # dashboards of meshes stopped above froze already; any other keeps its last

@@ -14,6 +14,7 @@ import argparse
 import re
 import shlex
 import sys
+import threading
 import time
 import types
 from typing import Any
@@ -186,6 +187,9 @@ class MeshMagics(Magics):
         #: rank output as a MIME bundle once a frontend asks for it (comm monarch.rankstream)
         self.rankstream = RankStreamChannel(getattr(kernel, "comm_manager", None))
         self._rank_display: RankStreamDisplay | None = None
+        #: set when the kernel shuts down or restarts (its control thread): a durable
+        #: mesh's running cell is then left running, not interrupted
+        self.shutting_down = threading.Event()
 
     # ------------------------------------------------------------ helpers
     def current_mesh(self) -> ProcMesh:
@@ -455,40 +459,26 @@ class MeshMagics(Magics):
             print(f"following what {ranks_label(running)} still run"
                   f"{'s' if len(running) == 1 else ''} (interrupt to leave "
                   f"{'it' if len(running) == 1 else 'them'} running and detach again)")
-        try:
-            result = self._follow(m)
-        except KeyboardInterrupt:
-            self._detach(name, m)
-            print(f"interrupted: the ranks keep running; mesh {name!r} is detached again "
-                  f"(%mesh attach {name} to follow it again)", file=sys.stderr)
-            return None
-        if isinstance(result, ValueMesh) and all(v is None for v in result.values()):
-            return None
-        return result
-
-    def _follow(self, m: ProcMesh) -> Any:
-        """Wait for the requests the mesh ran while detached to end, showing their
-        output (replayed from their start, then live) as a running cell's is shown
-        (per rank, through the rank stream when the frontend renders it); the value
-        of the last one (a ValueMesh), or the first error raised.
-
-        Raises
-        ------
-        KeyboardInterrupt
-            On an interrupt while waiting; the ranks are left running.
-        """
-        reqs = list((getattr(m.controller, "resumed", None) or {}).values())
-        if not reqs:  # (nothing the controller took over: the mesh's own way)
-            return m.follow()
         reqs.sort(key=lambda q: not q.done())  # (those that ended first: their output is here)
-        for req in reqs:
-            self._show_request(m, req)
+        try:
+            for req in reqs:
+                self._show_request(m, req)
+        except KeyboardInterrupt:
+            if not self.shutting_down.is_set():  # (a kernel going away says nothing here)
+                self._detach(name, m)
+                print(f"interrupted: the ranks keep running; mesh {name!r} is detached again "
+                      f"(%mesh attach {name} to follow it again)", file=sys.stderr)
+            return None
+        # the results (an error of a rank is the cell's error, even a KeyboardInterrupt
+        # the ranks got while detached: only one while following here detaches)
         value = None
         try:
             for req in reqs:
                 value = m.collect(req, list(req.ranks))
         finally:
             m.controller.resumed.clear()  # (followed: not again at the next attach here)
+        if isinstance(value, ValueMesh) and all(v is None for v in value.values()):
+            return None
         return value
 
     def _show_request(self, m: ProcMesh, req: Request) -> None:
@@ -765,6 +755,7 @@ class MeshMagics(Magics):
         sent: list[int] = []  # the ranks interrupted
         killed: list[int] = []
         reason = "interrupted"
+        leaving = False
         while True:
             try:
                 self._pump(req, printer, start, timeout, interrupted)
@@ -773,11 +764,19 @@ class MeshMagics(Magics):
                 reason = f"timed out after {timeout:g} s"
                 interrupted = self._interrupt(m, req, interrupted, sent, killed)
             except KeyboardInterrupt:
+                if interrupted is None and _durable(m) and self._shutdown_follows():
+                    leaving = True  # (Jupyter interrupts a kernel before it shuts it down)
+                    break
                 interrupted = self._interrupt(m, req, interrupted, sent, killed)
         printer.close()
         if shown is not None:
             shown.close()
             self._rank_display = None
+        if leaving:
+            print(f"the kernel is shutting down: mesh {self.current!r} is detached and the "
+                  "cell goes on running on the ranks; %mesh attach follows it",
+                  file=sys.stderr)
+            raise _Leaving
         if interrupted is not None:
             if reason != "interrupted" and sent:
                 print(f"%%mesh {reason}; {ranks_label(sent)} "
@@ -791,6 +790,14 @@ class MeshMagics(Magics):
                 print(f"{ranks_label(killed)} ignored the interrupt and "
                       f"{'was' if len(killed) == 1 else 'were'} killed; restart with  "
                       f"{dead_hint(m)}", file=sys.stderr)
+
+    #: seconds an interrupt of a durable mesh's cell waits for a shutdown request to
+    #: follow it (Jupyter interrupts a kernel just before it shuts it down or restarts it)
+    SHUTDOWN_GRACE_S = 0.5
+
+    def _shutdown_follows(self) -> bool:
+        """Whether the kernel shuts down (or restarts) within :data:`SHUTDOWN_GRACE_S`."""
+        return self.shutting_down.wait(self.SHUTDOWN_GRACE_S)
 
     def _interrupt(self, m: ProcMesh, req: Request, first: float | None, sent: list[int],
                    killed: list[int]) -> float:
@@ -895,3 +902,8 @@ def _prefix_of(candidates: list[str], body: str) -> str:
 
 class _Timeout(Exception):
     pass
+
+
+class _Leaving(KeyboardInterrupt):
+    """The kernel shuts down while a durable mesh's cell runs: the cell ends here and
+    goes on on the ranks."""

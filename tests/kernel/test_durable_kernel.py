@@ -216,7 +216,9 @@ def test_attach_after_the_kernel_ended_finds_state_actors_and_the_running_cell(r
             attached_at = next(t for t, m in seen if m["msg_type"] == "stream"
                                and "attached to mesh 'train'" in m["content"].get("text", ""))
             print(f"\n[{how}] attach seen in the notebook after {attached_at - t0:.2f} s "
-                  f"(cell idle after {time.monotonic() - t0:.2f} s, following the cell)")
+                  f"(cell idle after {time.monotonic() - t0:.2f} s, following the cell; "
+                  f"{sum(map(len, lines_of(text).values()))} lines shown, "
+                  f"following: {'following what' in text})")
             assert attached_at - t0 < 15, "attach took too long"
             after = lines_of(text)
             first = lines_of(before)
@@ -224,7 +226,8 @@ def test_attach_after_the_kernel_ended_finds_state_actors_and_the_running_cell(r
                 got = after.get(rank, [])
                 assert len(got) == len(set(got)), f"rank {rank}: lines shown twice: {got}"
                 assert set(first.get(rank, [])) | set(got) == set(range(LINES)), \
-                    f"rank {rank}: lines lost: {sorted(set(range(LINES)) - set(got))}"
+                    f"rank {rank}: lines lost: {sorted(set(range(LINES)) - set(got))}; " \
+                f"the attach showed: {text[:300]!r} ... {text[-300:]!r}"
                 assert got == sorted(got), f"rank {rank}: lines out of order"
             assert "done 0" in r.result_text() + text, (r.result_text(), text[-500:])
 
