@@ -151,7 +151,8 @@ def _magic_words(message: str, name: str) -> str:
 
 def _steal_hint(message: str, name: str) -> str:
     """A busy mesh's message in the magic's words (``--steal``, not ``steal=True``)."""
-    text = message.replace("steal=True", f"%mesh attach {name} --steal")
+    text = re.sub(r"steal=True \((%mesh [^)]*)\)", r"\1", message)
+    text = text.replace("steal=True", f"%mesh attach {name} --steal")
     if "--steal" not in text:
         text += f"; take it over with  %mesh attach {name} --steal"
     return text
@@ -445,10 +446,13 @@ class MeshMagics(Magics):
         if dropped:
             print(f"{fmt_bytes(dropped)} of output the ranks printed while detached was "
                   "dropped (beyond the bound kept per rank)", file=sys.stderr)
-        paused = sorted(m.paused_ranks()) if hasattr(m, "paused_ranks") else []
+        paused = sorted(m.paused_ranks())
         if paused:
+            where = sorted({s.where for s in registry_for(m.controller).sessions("paused")
+                            if s.where != "?"})
             print(f"{ranks_label(paused)} {'is' if len(paused) == 1 else 'are'} paused in "
-                  "pdb: %mesh debug  to continue them")
+                  f"pdb{' at ' + '; '.join(where) if where else ''} (%mesh debug  "
+                  "serves them)")
         reqs = list((getattr(m.controller, "resumed", None) or {}).values())
         if not reqs and not resumed:
             return None
@@ -494,6 +498,7 @@ class MeshMagics(Magics):
         self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
         self.running_cell = (m.root, req, self._last_cell[0])  # (the sidebar: "running")
         try:
+            self._debug_console.serve()  # (ranks of it paused in pdb while detached)
             self._pump(req, printer, time.monotonic(), None, None)
         finally:
             self.running_cell = None

@@ -435,3 +435,39 @@ def test_interrupt_while_following_leaves_the_ranks_running_and_detaches(registr
             k1.shutdown()
             if k2 is not None:
                 k2.shutdown()
+
+
+def test_a_rank_paused_in_pdb_while_detached_is_listed_and_served_after_attach(registry):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup(registry, "dbg"):
+        try:
+            ok(k1.execute("%mesh spawn 2 --name dbg --detach", timeout=120))
+            ok(k1.execute('job = dbg.run("x = 5\\nif rank == 1:\\n    breakpoint()\\n'
+                          'print(\'after\', x)\\nx * 2")'))
+            wait_for(lambda: "paused" in k1.execute("%mesh status").result_text(), 30,
+                     what="rank 1 paused")
+            end_kernel(k1, "sigkill")
+            k2 = KernelSession()
+            prompts: list[str] = []
+            answers = ["p x * 7", "c"]
+
+            def answer(prompt: str) -> str:
+                prompts.append(prompt)
+                return answers.pop(0) if answers else "c"
+
+            r = ok(k2.execute("%mesh attach dbg", timeout=60, on_input=answer))
+            text = r.stream()
+            assert "rank 1 is paused in pdb at" in text, text
+            assert prompts[:2] == ["(Pdb rank 1) ", "(Pdb rank 1) "], prompts
+            assert "35" in text and "[1] after 5" in text, text
+            assert "10" in r.result_text(), r.result_text()
+            # the dashboard and the status table work on the attached mesh
+            r = ok(k2.execute("%mesh status"))
+            assert "idle" in r.result_text(), r.result_text()
+            ok(k2.execute("d = %mesh dashboard --interval 0.5"))
+            ok(k2.execute("d.close()"))
+        finally:
+            k1.shutdown()
+            if k2 is not None:
+                k2.shutdown()
