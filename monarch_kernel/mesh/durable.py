@@ -46,6 +46,7 @@ from monarch_kernel.launchers.local import AdoptedLauncher
 from monarch_kernel.mesh import registry
 from monarch_kernel.mesh.registry import MeshRecord
 from monarch_kernel.wire import protocol
+from monarch_kernel.wire.messages import Attach
 
 __all__ = ["Resumed", "adopted_launcher", "attach_ranks", "mesh_dir", "register_adopter"]
 
@@ -139,7 +140,7 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
     key = bytes.fromhex(rec.key_hex)
     codec = protocol.Codec(key, "ctl")
     floor = ctl.codec.mark()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     socks: dict[int, zmq.Socket] = {}
     poller = zmq.Poller()
     try:
@@ -154,7 +155,7 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
             s.connect(endpoint)
             socks[r] = s
             poller.register(s, zmq.POLLIN)
-            content = {"up": ctl.address, "down": ctl.down_address,
+            content: Attach = {"up": ctl.address, "down": ctl.down_address,
                        "curve_server_key": ctl.curve_public_key,
                        "ctl_epoch": ctl.codec.epoch, "floor": floor,
                        "rank_epoch": ctl.ranks[r].epoch, "steal": steal,
@@ -169,7 +170,7 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
                 missing = sorted(set(socks) - set(answers))
                 raise TimeoutError(f"mesh {rec.name!r}: ranks {missing} did not answer the "
                                    f"attach request within {timeout:g} s")
-            for s, _ in poller.poll(min(left, 0.5) * 1000):
+            for s, _ in poller.poll(int(min(left, 0.5) * 1000) + 1):
                 try:
                     msg = codec.decode(s.recv_multipart(copy=False))
                 except ProtocolError:

@@ -224,7 +224,7 @@ class ProcMesh:
             timeout = _seconds(timeout, "timeout")
         if not show_output(req, timeout):
             raise TimeoutError(f"no answer from {ranks_label(req.ranks)} within {timeout:g} s")
-        if req.failure is not None:  # fail fast: stop what the other ranks still run
+        if req.failure is not None and self.root._gone is None:  # fail fast: stop the rest
             printer = RankPrinter(write_stream)
             try:
                 killed = stop_survivors(self, req, lambda ev: _print_event(printer, ev))
@@ -853,11 +853,11 @@ def spawn_procs(
             if not attach_existing:
                 raise MeshError(f"a mesh named {name!r} is running already; attach to it "
                                 f"(monarch_kernel.attach({name!r})) or stop it first")
-            mesh = attach(name, timeout=timeout, on_output=on_output)
-            mesh.attached_existing = True
+            found = attach(name, timeout=timeout, on_output=on_output)
+            found.attached_existing = True
             print(f"[monarch] mesh {name!r} is running already: attached to it "
-                  f"({len(mesh)} ranks)", file=sys.stderr, flush=True)
-            return mesh
+                  f"({len(found)} ranks)", file=sys.stderr, flush=True)
+            return found
         if rec is not None:
             registry.remove(name, rec.mesh_id)
     sh, la, addr = check_spawn(
