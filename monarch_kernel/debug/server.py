@@ -303,8 +303,7 @@ class RemotePdb(pdb.Pdb):
         if frame is None:
             frame = sys._getframe().f_back
         self.ended = False
-        #: the last "paused" message while the session waits for a line, else None
-        self.paused_content: dict[str, Any] | None = None
+        self.paused_content = None
         self._released = False
         self._was_released = False
         # Python 3.13+ stops on the breakpoint() line itself; stop after it, as 3.10-3.12
