@@ -260,6 +260,8 @@ def test_second_attach_refused_steal_takes_over_and_the_first_is_told(registry):
             assert r.status == "error" and r.reply["content"]["ename"] == "UsageError"
             evalue = r.reply["content"]["evalue"]
             assert "--steal" in evalue and str(k1.pid) in evalue, evalue
+            r = k2.execute("%mesh spawn 4 --name shared --detach")  # (get-or-spawn: busy too)
+            assert r.status == "error" and "--steal" in r.reply["content"]["evalue"], r.stream()
             t0 = time.monotonic()
             r = ok(k2.execute("%mesh attach shared --steal", timeout=60))
             took = time.monotonic() - t0
