@@ -473,3 +473,29 @@ def test_a_rank_paused_in_pdb_while_detached_is_listed_and_served_after_attach(r
             k1.shutdown()
             if k2 is not None:
                 k2.shutdown()
+
+
+def test_the_stop_button_still_interrupts_a_durable_meshs_cell(registry):
+    k = KernelSession()
+    with cleanup(registry, "stopme"):
+        try:
+            ok(k.execute("%mesh spawn 2 --name stopme --detach", timeout=120))
+            msg_id = k.kc.execute("%%mesh\nwhile True:\n    pass")
+            time.sleep(1.5)
+            k.interrupt()  # (no shutdown follows: the ranks are interrupted as for any mesh)
+            deadline = time.monotonic() + 20
+            while True:
+                assert time.monotonic() < deadline, "the cell was not interrupted"
+                try:
+                    rep = k.kc.get_shell_msg(timeout=1)
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    continue
+                if rep["parent_header"]["msg_id"] == msg_id:
+                    break
+            assert rep["content"]["status"] == "error"
+            k.wait_idle(msg_id)
+            r = ok(k.execute("%%mesh\nrank + 100"))
+            assert "101" in r.result_text()
+        finally:
+            k.execute("%mesh stop stopme")
+            k.shutdown()
