@@ -124,9 +124,13 @@ def mesh_dir() -> str:
                     "temporary directory)")
 
 
-def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) -> None:
+def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float,
+                 holder_gone: dict[str, Any] | None = None) -> None:
     """Hand every rank of ``rec`` over to ``ctl`` (steps 2-3 of the module docstring;
     ``ctl`` has :meth:`Controller.expect`-ed them and listens for their hellos).
+    ``holder_gone``: the controller (``{"pid", "host"}``) this side saw is gone;
+    a rank that still counts it as its holder (a rank on another host, which
+    cannot look, within its heartbeat timeout) lets go of it at once.
 
     Raises
     ------
@@ -159,7 +163,8 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
                        "curve_server_key": ctl.curve_public_key,
                        "ctl_epoch": ctl.codec.epoch, "floor": floor,
                        "rank_epoch": ctl.ranks[r].epoch, "steal": steal,
-                       "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}
+                       "pid": os.getpid(), "host": socket.gethostname(), "t": time.time(),
+                       "holder_gone": holder_gone}
             s.send_multipart(codec.encode("attach", content), copy=False)
         answers: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout

@@ -197,6 +197,7 @@ class Attach(TypedDict):
     pid: int  # the controller's pid
     host: str  # ... and host
     t: float  # epoch seconds; an attach no newer than the last one accepted is refused
+    holder_gone: dict[str, Any] | None  # {pid, host}: a holder the controller saw is gone
 
 
 class Failure(TypedDict):

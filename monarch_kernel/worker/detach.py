@@ -16,9 +16,11 @@ from an ordinary one in four ways:
   request while the request runs, and after it finished until a controller
   had its reply: a controller that was killed may never have shown its
   last messages, so a new one replays each unfinished request's output from
-  its start. All of it is bounded by ``MONARCH_DETACH_OUTPUT_BYTES`` bytes
-  (default 8 MiB) per rank: beyond that the oldest output goes first and
-  the dropped bytes are counted (per request and in all) and reported.
+  its start; output of no request (a background thread's) is kept while
+  detached, and shown as background output at attach. All of it is bounded
+  by ``MONARCH_DETACH_OUTPUT_BYTES`` bytes (default 8 MiB) per rank: beyond
+  that the oldest output goes first and the dropped bytes are counted (per
+  request and in all) and reported.
 * Every message to the controller is encoded and sent under one lock
   (:attr:`Detachable.lock`), so that a take-over is atomic with respect to
   output: what was journalled before it is in the hello the new controller
@@ -78,6 +80,8 @@ KEEP_ALIVE_ENV = "MONARCH_DETACH_KEEP_ALIVE"
 OUTPUT_BYTES_ENV = "MONARCH_DETACH_OUTPUT_BYTES"
 DEFAULT_OUTPUT_BYTES = 8 << 20
 DEFAULT_KEEP_ALIVE = 3600.0
+#: requests with kept output beyond which those nobody waits for are forgotten
+MAX_ENTRIES = 256
 
 #: functions adding to the state a worker reports at attach (``fn(worker) -> dict``),
 #: registered by features above the worker (actors: their names and classes)
@@ -167,8 +171,9 @@ class Detachable:
             If ``content`` cannot be pickled.
         """
         with self.lock:
-            if type == "stream" and parent:
-                self._keep(parent, content["name"], content["text"])
+            if type == "stream" and (parent or self.detached):
+                # (output of no request is kept only while detached, under "")
+                self._keep(parent or "", content["name"], content["text"])
             elif type == "reply" and parent:
                 self.journal.setdefault(parent, _Entry()).reply = content
             elif type == "replies":
@@ -190,7 +195,11 @@ class Detachable:
                     self._forget(str(p))
 
     def _keep(self, parent: str, name: str, text: str) -> None:
-        e = self.journal.setdefault(parent, _Entry())
+        e = self.journal.get(parent)
+        if e is None:
+            if len(self.journal) >= MAX_ENTRIES:
+                self._prune()
+            e = self.journal[parent] = _Entry()
         n = len(text.encode("utf-8", "surrogatepass")) if not text.isascii() else len(text)
         e.chunks.append((name, text))
         e.nbytes += n
@@ -207,6 +216,15 @@ class Detachable:
                     break
             else:
                 break
+
+    def _prune(self) -> None:
+        """Forget the entries of requests that no thread serves, that have no reply
+        and whose output was all dropped (one-way calls: nobody answers them), once
+        there are many (lock held)."""
+        serving = set(self.w.serving())
+        for p in [p for p, e in self.journal.items()
+                  if p and not e.chunks and e.reply is None and p not in serving]:
+            del self.journal[p]
 
     def _forget(self, parent: str) -> None:
         e = self.journal.pop(parent, None)
@@ -285,6 +303,11 @@ class Detachable:
             now = time.monotonic()
             held = (not self.detached and now - w.io.last_heard < w.heartbeat_timeout
                     and _holder_alive(self.holder))
+            gone = c.get("holder_gone")
+            if held and isinstance(gone, dict) and self.holder is not None and (
+                    gone.get("pid") == self.holder.get("pid")
+                    and gone.get("host") == self.holder.get("host")):
+                held = False  # (its host saw it gone; this one cannot look)
             if held and not c.get("steal"):
                 return {"ok": False, "busy": True, "holder": self.holder}
             if held:  # taken over: the old controller is told, then left
@@ -311,7 +334,7 @@ class Detachable:
             self.send("hello", {"rank": w.rank, "pid": os.getpid(),
                                 "host": socket.gethostname(), "down": True,
                                 "attach": self.endpoint, "resume": state}, None)
-            for p in [p for p, e in self.journal.items() if e.reply is not None]:
+            for p in [p for p, e in self.journal.items() if e.reply is not None or not p]:
                 self._forget(p)  # (handed over in the hello)
             self.dropped = 0
             return {"ok": True, "pid": os.getpid()}
@@ -324,7 +347,14 @@ class Detachable:
         queued = [m.id for m in list(w.requests.queue) if m is not None]
         for pid_ in [*serving, *queued]:
             running.setdefault(pid_, {"output": [], "dropped": 0, "finished": False})
-        for p, e in self.journal.items():
+        background = list(self.journal[""].chunks) if "" in self.journal else []
+        for p, e in list(self.journal.items()):
+            if not p:
+                continue
+            if e.reply is None and p not in running:  # (a one-way call's: nobody waits)
+                background.extend(e.chunks)
+                self._forget(p)
+                continue
             running[p] = {"output": list(e.chunks), "dropped": e.dropped,
                           "finished": e.reply is not None, "reply": e.reply}
         paused = False
@@ -333,6 +363,7 @@ class Detachable:
         except Exception:  # noqa: BLE001 - telemetry is optional here
             pass
         state: dict[str, Any] = {"pid": os.getpid(), "requests": running,
+                                 "background": background,
                                  "dropped": self.dropped, "paused": paused,
                                  "bound": self.bound}
         for fn in _reporters:
