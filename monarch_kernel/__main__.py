@@ -79,7 +79,7 @@ def _meshes(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m monarch_kernel meshes",
-        description="List or stop your durable meshes (%%mesh spawn N --name NAME --detach).",
+        description="List or stop your durable meshes (%mesh spawn N --name NAME --detach).",
     )
     sub = p.add_subparsers(dest="action", metavar="list|stop")
     ls = sub.add_parser("list", help="name, shape, state, age, attached to, keep-alive left")
