@@ -5,6 +5,8 @@
     python -m monarch_kernel install [--user | --sys-prefix | --prefix P]
                                      [--name NAME] [--display-name D]
     python -m monarch_kernel worker ...      # one mesh worker (started by launchers)
+    python -m monarch_kernel meshes list [--plain]   # your durable meshes (spawn --detach)
+    python -m monarch_kernel meshes stop NAME        # end the durable mesh NAME
 """
 
 from __future__ import annotations
@@ -63,7 +65,62 @@ def _worker(argv: list[str]) -> int:
     return int(worker_main.main(argv) or 0)
 
 
-COMMANDS = {"install": _install, "worker": _worker}
+def _meshes(argv: list[str]) -> int:
+    """``meshes list`` / ``meshes stop NAME``: the user's durable meshes from a terminal.
+
+    Exit status 0 when done, 1 when it could not be done (no mesh of that name, the
+    registry cannot be read, the ranks would not stop), 2 for bad arguments.
+    """
+    # (imported here: the worker, which this module also starts, needs none of it)
+    from monarch_kernel.errors import MonarchError, NoMeshError
+    from monarch_kernel.kernel.meshlist import MeshTable
+    from monarch_kernel.mesh import registry
+    from monarch_kernel.mesh.procmesh import stop_mesh
+
+    p = argparse.ArgumentParser(
+        prog="python -m monarch_kernel meshes",
+        description="List or stop your durable meshes (%mesh spawn N --name NAME --detach).",
+    )
+    sub = p.add_subparsers(dest="action", metavar="list|stop")
+    ls = sub.add_parser("list", help="name, shape, state, age, attached to, keep-alive left")
+    ls.add_argument("--plain", action="store_true", help="columns of plain text, no boxes")
+    st = sub.add_parser("stop", help="end the mesh NAME (attached to a kernel or not)")
+    st.add_argument("name", metavar="NAME")
+    st.add_argument("--timeout", type=float, default=10.0,
+                    help="seconds the ranks may take to exit (default: 10)")
+    try:
+        a = p.parse_args(argv)
+    except SystemExit as e:  # (argparse: 2 for bad arguments, 0 for --help)
+        return int(e.code or 0)
+    if a.action is None:
+        p.print_usage(sys.stderr)
+        print("error: say what to do: list, or stop NAME", file=sys.stderr)
+        return 2
+    if a.action == "list":
+        try:
+            table = MeshTable(registry.list_meshes())
+        except (OSError, MonarchError) as e:
+            print(f"error: cannot read the mesh registry: {e}", file=sys.stderr)
+            return 1
+        print(table.plain() if a.plain else repr(table))
+        return 0
+    if not (a.timeout > 0 and a.timeout < 1e9):
+        print(f"error: --timeout must be a positive number of seconds, not {a.timeout!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        stop_mesh(a.name, timeout=a.timeout, force=True)
+    except NoMeshError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, MonarchError, TimeoutError) as e:
+        print(f"error: could not stop mesh {a.name!r}: {e}", file=sys.stderr)
+        return 1
+    print(f"mesh {a.name!r} stopped")
+    return 0
+
+
+COMMANDS = {"install": _install, "worker": _worker, "meshes": _meshes}
 
 
 def main(argv: list[str] | None = None) -> int:

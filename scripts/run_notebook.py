@@ -51,7 +51,18 @@ def _write(text: str) -> None:
 
 
 class PrintingClient(NotebookClient):
-    """A NotebookClient that echoes cell sources and outputs to stdout as they come."""
+    """A NotebookClient that echoes cell sources and outputs to stdout as they come,
+    and restarts the kernel before a cell tagged ``restart-kernel-before`` (as
+    Kernel > Restart does: notebooks/07_durable_mesh.ipynb)."""
+
+    async def async_execute_cell(self, cell: Any, cell_index: int, *args: Any,
+                                 **kwargs: Any) -> Any:
+        if "restart-kernel-before" in (cell.get("metadata", {}).get("tags") or []):
+            assert self.km is not None and self.kc is not None
+            _write("\n----- restarting the kernel\n")
+            await self.km.restart_kernel(now=False)
+            await self.kc.wait_for_ready(timeout=self.startup_timeout)
+        return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
 
     def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
         kind = msg["msg_type"]

@@ -61,6 +61,7 @@ from monarch_kernel.actor.context import current_actor
 from monarch_kernel.util.cells import location
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.worker import handlers, telemetry
+from monarch_kernel.worker.detach import register_reporter
 from monarch_kernel.worker.worker import (
     cut_debugger_frames,  # (re-exported: the debugger's view of it)
 )
@@ -148,6 +149,8 @@ class RemotePdb(pdb.Pdb):
         self.thread_name = threading.current_thread().name
         self.thread_id = threading.get_ident()
         self.ended = False
+        #: the last "paused" message while the session waits for a line, else None
+        self.paused_content: dict[str, Any] | None = None
         self._released = False
         self._was_released = False
         with _lock:
@@ -174,6 +177,8 @@ class RemotePdb(pdb.Pdb):
             parent = self._parent()
             content.update(kind=kind, session=self.sid, text=text, thread=self.thread_name,
                            parent=parent)
+            # (what a controller that attaches later is told: see paused_report)
+            self.paused_content = dict(content) if kind == "paused" else None
             try:
                 self.worker.send("debug", content, parent)
             except Exception:  # noqa: BLE001, S110 - the controller is gone; the I/O thread exits
@@ -298,6 +303,7 @@ class RemotePdb(pdb.Pdb):
         if frame is None:
             frame = sys._getframe().f_back
         self.ended = False
+        self.paused_content = None
         self._released = False
         self._was_released = False
         # Python 3.13+ stops on the breakpoint() line itself; stop after it, as 3.10-3.12
@@ -489,6 +495,19 @@ def post_mortem(t: Any = None) -> None:
 def pm() -> None:
     """``pdb.pm()`` on a worker: post-mortem of the last uncaught exception."""
     post_mortem(getattr(_worker, "last_traceback", None) or getattr(sys, "last_traceback", None))
+
+
+def paused_report(worker: Any) -> dict[str, Any]:
+    """The sessions paused in this worker, as their last ``paused`` messages
+    (``{"debug": [content, ...]}``): a detachable mesh's rank reports them to a
+    controller that attaches, which then knows them as it would have live."""
+    with _lock:
+        sessions = list(_sessions.values())
+    return {"debug": [dict(s.paused_content) for s in sessions
+                      if s.paused_content is not None and not s.ended]}
+
+
+register_reporter(paused_report)
 
 
 def install(worker: Any) -> None:

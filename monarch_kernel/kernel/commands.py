@@ -26,13 +26,14 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from monarch_kernel.mesh.procmesh import ProcMesh, spawn_procs
+from monarch_kernel.mesh.procmesh import ProcMesh, attach, spawn_procs
 from monarch_kernel.mesh.supervision import RESTART_POLICIES
 from monarch_kernel.tensors.handles import show
-from monarch_kernel.util.numbers import check_number
+from monarch_kernel.util.numbers import check_number, parse_duration
 
-__all__ = ["CELL", "COMMANDS", "COUNT", "POSITIVE_SECONDS", "SECONDS", "SLURM_OPTIONS", "Arg",
-           "Command", "MeshArgumentParser", "command", "number", "usage_text"]
+__all__ = ["CELL", "COMMANDS", "COUNT", "DURATION", "POSITIVE_SECONDS", "SECONDS",
+           "SLURM_OPTIONS", "Arg", "Command", "MeshArgumentParser", "command", "duration",
+           "number", "usage_text"]
 
 
 def _default(fn: Callable[..., Any], name: str) -> Any:
@@ -61,6 +62,8 @@ class Arg:
         value = o.get("metavar") or ("|".join(o["choices"]) if "choices" in o else
                                      self.flags[0].lstrip("-").upper().replace("-", "_"))
         if self.positional:
+            if o.get("nargs") == "?":
+                return f"[{value}]"
             return f"{value} [{value} ...]" if o.get("nargs") == "+" else value
         if o.get("action") in ("store_true", "store_false"):
             return f"[{self.flags[0]}]"
@@ -190,10 +193,21 @@ def number(*, integer: bool = False, **limits: Any) -> Callable[[str], Any]:
     return parse
 
 
-#: seconds > 0 (timeouts, intervals); seconds >= 0; counts >= 0
+def duration(text: str) -> float:
+    """An argparse ``type`` for a duration (``30s``, ``10m``, ``1h``, ``2d``, or seconds):
+    its seconds, through :func:`~monarch_kernel.util.numbers.parse_duration`; bad text
+    gives ``argument --x: must be a positive duration like 30s, ..., not '1w'``."""
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+#: seconds > 0 (timeouts, intervals); seconds >= 0; counts >= 0; a duration > 0 (1h)
 POSITIVE_SECONDS = number(above=True, seconds=True)
 SECONDS = number(seconds=True)
 COUNT = number(integer=True)
+DURATION = duration
 
 _SPAWN = spawn_procs
 
@@ -214,8 +228,9 @@ COMMANDS: tuple[Command, ...] = (
               arg("--bind", metavar="ADDR", default=_default(_SPAWN, "bind"),
                   help="listen on TCP at this address (default for local meshes: Unix "
                        "sockets only your user can reach)"),
-              arg("--name", metavar="mesh", default="mesh",
-                  help="the notebook variable (and %mesh use name) of the mesh"))),
+              arg("--name", metavar="mesh", default=None,
+                  help="the notebook variable (and %mesh use name) of the mesh (default: "
+                       "mesh); with --detach also its name in  %mesh list"))),
         ("", (arg("--restart", choices=list(RESTART_POLICIES), default=_default(_SPAWN, "restart"),
                   help="replace a rank that dies"),
               arg("--max-restarts", metavar="K", type=COUNT,
@@ -232,6 +247,12 @@ COMMANDS: tuple[Command, ...] = (
               arg("--telemetry-interval", metavar="S", type=number(seconds=True, zero="off"),
                   default=_default(_SPAWN, "telemetry_interval"),
                   help="seconds between telemetry samples (0: off)"))),
+        ("", (arg("--detach", action="store_true",
+                  help="a durable mesh: it outlives this kernel (a restart, a crash) and "
+                       "is found again with  %mesh attach NAME; needs --name"),
+              arg("--keep-alive", metavar="TIME", type=DURATION, default=None,
+                  help="with --detach: how long the ranks wait for a kernel to attach "
+                       "before they end themselves (30s, 10m, 1h, 2d; default 1h)"))),
         ("Slurm:", (arg("--partition", metavar="P", help="sbatch --partition"),
                     arg("--time", metavar="T", help="sbatch --time"),
                     arg("--account", metavar="A", help="sbatch --account"),
@@ -272,8 +293,22 @@ COMMANDS: tuple[Command, ...] = (
     Command("use", "make mesh NAME (spawn --name, or a variable holding a spawn_procs mesh) "
                    "the current one", (
         ("", (arg("name", metavar="NAME"),)),)),
-    Command("stop", "stop the current mesh's workers (--all: every mesh)", (
-        ("", (arg("--all", action="store_true", help="stop every mesh of the kernel"),)),)),
+    Command("attach", "attach to durable mesh NAME, follow what it runs", (
+        ("", (arg("name", metavar="NAME", help="the mesh's name (see  %mesh list)"),
+              arg("--steal", action="store_true",
+                  help="take it over from the kernel that holds it (that kernel is told)"),
+              arg("--timeout", metavar="S", type=POSITIVE_SECONDS,
+                  default=_default(attach, "timeout"),
+                  help="seconds to wait for the ranks to answer"))),)),
+    Command("detach", "let go of the current durable mesh; it keeps running", (
+        ("", (arg("name", metavar="NAME", nargs="?", default=None,
+                  help="the mesh to let go of (default: the current one)"),)),)),
+    Command("list", "your durable meshes: state, age, keep-alive left", parsed=False),
+    Command("stop", "stop the current mesh (NAME: that mesh, from any kernel; --all: every "
+                    "mesh of this kernel)", (
+        ("", (arg("name", metavar="NAME", nargs="?", default=None,
+                  help="the mesh to stop (default: the current one)"),
+              arg("--all", action="store_true", help="stop every mesh of the kernel"))),)),
 )
 
 _BY_NAME = {c.name: c for c in COMMANDS}

@@ -3,7 +3,8 @@
 Everything an IPython kernel does stays as it is (ordinary cells run in the
 controller); the ``%mesh`` / ``%%mesh`` magics (:mod:`.magics`) drive
 meshes. On shutdown or restart every mesh is stopped, so no worker outlives
-its kernel.
+its kernel, except a durable one (``%mesh spawn ... --detach``): it is detached,
+its ranks keep running, and ``%mesh attach NAME`` finds them again.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ class MonarchKernel(IPythonKernel):
         self.mesh_sidebar.register(self.comm_manager)
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        self.mesh_magics.shutting_down.set()  # (a durable mesh's running cell: left running)
         self.mesh_sidebar.close()
-        self.mesh_magics.stop_all()
+        self.mesh_magics.release_all()  # (durable meshes are detached, not stopped)
         # dashboards of meshes stopped above froze already; any other keeps its last
         # state in the notebook's output too (only if one was ever made: no import here)
         dashboards = sys.modules.get("monarch_kernel.ui.dashboard")

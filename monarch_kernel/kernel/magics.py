@@ -11,8 +11,10 @@ the kernel stays usable.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
+import threading
 import time
 import types
 from typing import Any
@@ -22,22 +24,32 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+import monarch_kernel as mk
 from monarch_kernel.controller.controller import Request
 from monarch_kernel.controller.io import spin_seconds
 from monarch_kernel.controller.output import BackgroundOutput, RankPrinter, write_stream
 from monarch_kernel.debug.registry import registry_for
-from monarch_kernel.errors import MeshError, MonarchError, RankSpecError, ranks_label
+from monarch_kernel.errors import (
+    MeshBusyError,
+    MeshError,
+    MonarchError,
+    NoMeshError,
+    RankSpecError,
+    ranks_label,
+)
 from monarch_kernel.kernel.commands import CELL, COMMANDS, SLURM_OPTIONS, command, usage_text
 
 # (debug_bridge also serves the calls of actors paused in pdb)
 from monarch_kernel.kernel.debug_bridge import cell_console, debug_command, finish_cell
+from monarch_kernel.kernel.meshlist import MeshTable, fmt_duration
 from monarch_kernel.kernel.rankstream import RankStreamChannel, RankStreamDisplay
+from monarch_kernel.mesh import registry as mesh_registry
 from monarch_kernel.mesh.procmesh import ProcMesh, check_spawn, spawn_procs
 from monarch_kernel.mesh.shape import ValueMesh, parse_ranks
 from monarch_kernel.mesh.supervision import KILL_AFTER_S, dead_hint, kill_ranks
 from monarch_kernel.tensors.handles import Ref, bind_refs, show
 from monarch_kernel.transport.sockets import max_message_bytes
-from monarch_kernel.ui.status import StatusTable, human_shape
+from monarch_kernel.ui.status import StatusTable, fmt_bytes, human_shape
 from monarch_kernel.util.cells import cell_filename
 from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
 
@@ -106,6 +118,51 @@ def slurm_options(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _lost(m: ProcMesh) -> str:
+    """Why this kernel no longer drives durable mesh ``m`` (another kernel took it
+    over with ``--steal``; it was detached), in the mesh's words, or ``""``."""
+    gone = getattr(m.root, "_gone", None)
+    return str(gone) if gone else ""
+
+
+def _drives(m: ProcMesh) -> bool:
+    """Whether this kernel drives mesh ``m``: not stopped, not detached, not taken over."""
+    return not m.root._stopped and not _lost(m)
+
+
+def _durable(m: ProcMesh) -> bool:
+    """Whether ``m`` was spawned to outlive its controller (``--detach``)."""
+    return bool(getattr(m.root, "detached", False))
+
+
+def _unlike(m: ProcMesh, dims: dict[str, int]) -> str:
+    """``", not the 8 ranks asked for"`` when mesh ``m`` has another shape than ``dims``."""
+    if dict(m.shape.dims) == dict(dims):
+        return ""
+    return f"; not the {human_shape(dims)} asked for"
+
+
+def _magic_words(message: str, name: str) -> str:
+    """An API message in the magics' words (``%mesh spawn ... --detach``, not
+    ``spawn_procs(..., detach=True)``)."""
+    return re.sub(r"spawn_procs\([^)]*detach=True\)", f"%mesh spawn N --name {name} --detach",
+                  message)
+
+
+def _steal_hint(message: str, name: str) -> str:
+    """A busy mesh's message in the magic's words (``--steal``, not ``steal=True``)."""
+    text = re.sub(r"steal=True \((%mesh [^)]*)\)", r"\1", message)
+    text = text.replace("steal=True", f"%mesh attach {name} --steal")
+    if "--steal" not in text:
+        text += f"; take it over with  %mesh attach {name} --steal"
+    return text
+
+
+def _still_running(r: Any) -> bool:
+    """Whether a ``ProcMesh.resumed`` entry names ranks still running its request."""
+    return bool(getattr(r, "ranks", None))
+
+
 def _force_hint(message: str) -> str:
     """A refused spawn's message in the magic's words (``--force``, not ``force=True``)."""
     return message.replace("force=True (%mesh spawn ... --force)", "--force")
@@ -131,6 +188,9 @@ class MeshMagics(Magics):
         #: rank output as a MIME bundle once a frontend asks for it (comm monarch.rankstream)
         self.rankstream = RankStreamChannel(getattr(kernel, "comm_manager", None))
         self._rank_display: RankStreamDisplay | None = None
+        #: set when the kernel shuts down or restarts (its control thread): a durable
+        #: mesh's running cell is then left running, not interrupted
+        self.shutting_down = threading.Event()
 
     # ------------------------------------------------------------ helpers
     def current_mesh(self) -> ProcMesh:
@@ -142,17 +202,48 @@ class MeshMagics(Magics):
             If no mesh is running.
         """
         m = self.meshes.get(self.current or "")
+        lost = _lost(m) if m is not None else ""
+        if m is not None and lost:
+            self.forget(self.current or "", m)
+            name = self.current
+            if "taken over" in lost:
+                raise UsageError(f"{lost.split('; ')[0]}: this kernel lost it;  %mesh attach "
+                                 f"{name} --steal  takes it back")
+            raise UsageError(f"mesh {name!r}: {lost}")
         if m is None or m.root._stopped:
             raise UsageError("no mesh is running; start one first with  %mesh spawn 4  (or "
                              "%mesh use NAME for a mesh made with spawn_procs in a cell)")
         return m
 
+    def forget(self, name: str, m: ProcMesh) -> None:
+        """Drop mesh ``name`` that this kernel no longer drives (taken over by another
+        kernel), closing its controller's side here; its ranks are not touched."""
+        if self.meshes.get(name) is m:
+            self.meshes.pop(name, None)
+        try:
+            m.root.controller.close()
+        except Exception:  # noqa: BLE001 - closing what is left is best effort
+            pass
+
     def stop_all(self) -> None:
-        """Stop every mesh (kernel shutdown and restart)."""
+        """Stop every mesh of the kernel (``%mesh stop --all``), durable ones too."""
         for m in list(self.meshes.values()):
             try:
                 m.stop(timeout=3)
             except Exception:  # noqa: BLE001 - stopping must go on for the others
+                pass
+        self.meshes.clear()
+
+    def release_all(self) -> None:
+        """Kernel shutdown and restart: detach every durable mesh (``--detach``: its
+        ranks keep running, ``%mesh attach`` finds them again) and stop every other."""
+        for m in list(self.meshes.values()):
+            try:
+                if _durable(m) and _drives(m):
+                    m.detach()
+                else:
+                    m.stop(timeout=3)
+            except Exception:  # noqa: BLE001 - it must go on for the others
                 pass
         self.meshes.clear()
 
@@ -200,14 +291,24 @@ class MeshMagics(Magics):
         return usage_text()
 
     # ------------------------------------------------------------ commands
-    def _cmd_spawn(self, argv: list[str]) -> None:
+    def _cmd_spawn(self, argv: list[str]) -> Any:
         # every argument is checked before the previous mesh is stopped: a typo must not
         # cost the running mesh (and the ranks' state)
         a = command("spawn").parse(argv)  # (numbers: NaN, infinities, negatives refused)
         dims = parse_shape(a.size)
         launcher_options = slurm_options(a)
-        if not a.name.isidentifier():
-            raise UsageError(f"%mesh spawn: --name {a.name!r} is not a Python identifier")
+        name = a.name if a.name is not None else "mesh"
+        if not name.isidentifier():
+            raise UsageError(f"%mesh spawn: --name {name!r} is not a Python identifier")
+        if a.detach and not mesh_registry.valid_name(name):
+            raise UsageError(f"%mesh spawn: --name {name!r} cannot name a durable mesh; use "
+                             "up to 64 letters, digits and _ starting with a letter")
+        if a.detach and a.name is None:
+            raise UsageError("%mesh spawn: --detach needs --name NAME: the name you attach "
+                             "the mesh by later (e.g.  %mesh spawn 4 --name train --detach)")
+        if a.keep_alive is not None and not a.detach:
+            raise UsageError("%mesh spawn: --keep-alive is for a mesh that outlives the "
+                             "kernel; add --detach (and --name NAME)")
         try:
             spin_seconds()  # (MONARCH_SPIN_US, read by the mesh's controller)
             lanes_enabled()  # (MONARCH_LANES, ...: likewise)
@@ -221,38 +322,231 @@ class MeshMagics(Magics):
                 telemetry_interval=a.telemetry_interval, force=a.force)
         except (ValueError, TypeError, MeshError) as e:
             raise UsageError(f"%mesh spawn: {_force_hint(str(e))}") from None
-        old = self.meshes.pop(a.name, None)
-        if old is not None and not old.root._stopped:
-            print(f"stopping the previous mesh {a.name!r} ({human_shape(old.shape.dims)})")
+        held = self.meshes.get(name)
+        if a.detach and held is not None and _drives(held) and _durable(held):
+            self.current = name
+            print(f"mesh {name!r} is attached to this kernel already "
+                  f"({human_shape(held.shape.dims)}{_unlike(held, dims)}); "
+                  f"%mesh stop {name} first to spawn a new one")
+            return None
+        old = self.meshes.pop(name, None)
+        if old is not None and _drives(old):
+            print(f"stopping the previous mesh {name!r} ({human_shape(old.shape.dims)})")
             old.stop()
+        durable: dict[str, Any] = {}
+        if a.detach:
+            durable = {"name": name, "detach": True, "keep_alive": a.keep_alive}
         t0 = time.monotonic()
         try:
             m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
                             restart=a.restart, max_restarts=a.max_restarts,
                             heartbeat=a.heartbeat, timeout=a.timeout,
                             telemetry_interval=a.telemetry_interval, force=a.force,
-                            on_output=BackgroundOutput())  # (broadcasts, background threads)
+                            on_output=BackgroundOutput(),  # (broadcasts, background threads)
+                            **durable)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
-        self.meshes[a.name] = m
-        registry_for(m.controller)  # knows paused ranks from now on (%mesh debug)
-        self.current = a.name
-        self.ip.user_ns[a.name] = m
+        except MeshBusyError as e:
+            raise UsageError(f"%mesh spawn: {_steal_hint(str(e), name)}") from None
+        if getattr(m, "attached_existing", False):  # get-or-spawn: it was alive
+            self._hold(name, m)
+            print(f"mesh {name!r} is alive already: attached to it instead of spawning "
+                  f"({len(m)} ranks, {human_shape(m.shape.dims)}{_unlike(m, dims)}) in "
+                  f"{time.monotonic() - t0:.2f} s")
+            return self._after_attach(name, m)
+        self._hold(name, m)
         dist = f", torch.distributed {a.dist}" if a.dist != "none" else ""
-        print(f"mesh {a.name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) ready in "
-              f"{time.monotonic() - t0:.2f} s{dist}")
+        durable_text = ""
+        if a.detach:
+            durable_text = (f"; detached: it outlives this kernel (keep-alive "
+                            f"{fmt_duration(getattr(m, 'keep_alive', None) or a.keep_alive)}"
+                            f" without a kernel),  %mesh attach {name}  finds it again")
+        print(f"mesh {name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) ready in "
+              f"{time.monotonic() - t0:.2f} s{dist}{durable_text}")
         return None
+
+    def _hold(self, name: str, m: ProcMesh) -> None:
+        """Make ``m`` the kernel's mesh ``name`` (the current one, and a notebook variable)."""
+        self.meshes[name] = m
+        registry_for(m.controller)  # knows paused ranks from now on (%mesh debug)
+        self.current = name
+        self.ip.user_ns[name] = m
 
     def _cmd_stop(self, argv: list[str]) -> None:
         a = command("stop").parse(argv)
         if a.all:
+            if a.name is not None:
+                raise UsageError(f"%mesh stop: give a NAME or --all, not both. "
+                                 f"Usage: {command('stop').usage()}")
             self.stop_all()
             print("stopped every mesh")
             return
-        m = self.current_mesh()
+        if a.name is None:
+            m = self.current_mesh()
+            name = self.current or ""
+        else:
+            name = a.name
+            held = self.meshes.get(name)
+            if held is None or not _drives(held):
+                self._stop_elsewhere(name)
+                return
+            m = held
         m.stop()
-        print(f"mesh {self.current!r} stopped ({len(m)} ranks)")
-        self.meshes.pop(self.current or "", None)
+        print(f"mesh {name!r} stopped ({len(m)} ranks)")
+        self.meshes.pop(name, None)
+        if self.current == name:
+            self.current = None
+
+    def _stop_elsewhere(self, name: str) -> None:
+        """``%mesh stop NAME`` for a durable mesh this kernel does not hold."""
+        try:
+            mk.stop_mesh(name, force=True)  # (the user named it: attached elsewhere or not)
+        except NoMeshError as e:
+            raise UsageError(f"%mesh stop: {_magic_words(str(e), name)}") from None
+        except MeshBusyError as e:
+            raise UsageError(f"%mesh stop: {e}") from None
+        self.meshes.pop(name, None)
+        print(f"mesh {name!r} stopped")
+
+    def _cmd_attach(self, argv: list[str]) -> Any:
+        a = command("attach").parse(argv)
+        name = a.name
+        held = self.meshes.get(name)
+        if held is not None and _drives(held):
+            self.current = name
+            print(f"mesh {name!r} is attached to this kernel already "
+                  f"({len(held)} ranks, {human_shape(held.shape.dims)})")
+            return None
+        if held is not None:  # (taken over by another kernel, or detached)
+            self.forget(name, held)
+        t0 = time.monotonic()
+        try:
+            m = mk.attach(name, steal=a.steal, timeout=a.timeout,
+                          on_output=BackgroundOutput())  # (as %mesh spawn's meshes)
+        except NoMeshError as e:
+            raise UsageError(f"%mesh attach: {_magic_words(str(e), name)}") from None
+        except MeshBusyError as e:
+            raise UsageError(f"%mesh attach: {_steal_hint(str(e), name)}") from None
+        except TimeoutError as e:
+            raise UsageError(f"%mesh attach: mesh {name!r} did not answer: {e}") from None
+        self._hold(name, m)
+        took = time.monotonic() - t0
+        stole = " (taken over with --steal: the kernel that held it was told)" if a.steal else ""
+        print(f"attached to mesh {name!r}: {len(m)} ranks ({human_shape(m.shape.dims)}) in "
+              f"{took:.2f} s{stole}")
+        return self._after_attach(name, m)
+
+    def _after_attach(self, name: str, m: ProcMesh) -> Any:
+        """What a mesh did while detached: paused ranks, output it dropped, and the
+        requests still running, followed to their end (their output shown as it
+        comes, their result returned, their error raised). An interrupt while
+        following leaves the ranks running and detaches again."""
+        resumed = list(getattr(m, "resumed", None) or [])
+        dropped = sum(int(getattr(r, "dropped_bytes", 0) or 0) for r in resumed)
+        if dropped:
+            print(f"{fmt_bytes(dropped)} of output the ranks printed while detached was "
+                  "dropped (beyond the bound kept per rank)", file=sys.stderr)
+        paused = sorted(m.paused_ranks())
+        if paused:
+            where = sorted({s.where for s in registry_for(m.controller).sessions("paused")
+                            if s.where != "?"})
+            print(f"{ranks_label(paused)} {'is' if len(paused) == 1 else 'are'} paused in "
+                  f"pdb{' at ' + '; '.join(where) if where else ''} (%mesh debug  "
+                  "serves them)")
+        reqs = list((getattr(m.controller, "resumed", None) or {}).values())
+        if not reqs and not resumed:
+            return None
+        running = sorted({rk for q in reqs if not q.done() for rk in q.ranks
+                          if rk not in q.replies}
+                         or {rk for r in resumed if _still_running(r) for rk in r.ranks})
+        if running:
+            print(f"following what {ranks_label(running)} still run"
+                  f"{'s' if len(running) == 1 else ''} (interrupt to leave "
+                  f"{'it' if len(running) == 1 else 'them'} running and detach again)")
+        reqs.sort(key=lambda q: not q.done())  # (those that ended first: their output is here)
+        try:
+            for req in reqs:
+                self._show_request(m, req)
+        except KeyboardInterrupt:
+            if not self.shutting_down.is_set():  # (a kernel going away says nothing here)
+                self._detach(name, m)
+                print(f"interrupted: the ranks keep running; mesh {name!r} is detached again "
+                      f"(%mesh attach {name} to follow it again)", file=sys.stderr)
+            return None
+        # the results (an error of a rank is the cell's error, even a KeyboardInterrupt
+        # the ranks got while detached: only one while following here detaches)
+        value = None
+        try:
+            for req in reqs:
+                value = m.collect(req, list(req.ranks))
+        finally:
+            m.controller.resumed.clear()  # (followed: not again at the next attach here)
+        if isinstance(value, ValueMesh) and all(v is None for v in value.values()):
+            return None
+        return value
+
+    def _show_request(self, m: ProcMesh, req: Request) -> None:
+        """Show ``req``'s output until it is done, as :meth:`wait_cell` does, but
+        an interrupt is not passed on to the ranks (it ends the waiting)."""
+        self._progress_cell = getattr(self, "_progress_cell", 0) + 1
+        shown = self._rank_display = self.rankstream.display(self.ip.display_pub.publish,
+                                                             list(req.ranks))
+        if shown is None:
+            printer = RankPrinter(write_stream, on_progress=self._progress)
+        else:
+            printer = RankPrinter(write_stream, on_progress=shown.progress, on_lines=shown.lines)
+        self._debug_console = cell_console(self, m, req, printer)  # ranks paused in pdb
+        self.running_cell = (m.root, req, self._last_cell[0])  # (the sidebar: "running")
+        try:
+            self._debug_console.serve()  # (ranks of it paused in pdb while detached)
+            self._pump(req, printer, time.monotonic(), None, None)
+        finally:
+            self.running_cell = None
+            printer.close()
+            if shown is not None:
+                shown.close()
+                self._rank_display = None
+        finish_cell(m, req, lambda text: write_stream("stderr", text))
+
+    def _detach(self, name: str, m: ProcMesh) -> None:
+        """Let go of durable mesh ``name``: its ranks keep running."""
+        m.detach()
+        if self.meshes.get(name) is m:
+            self.meshes.pop(name, None)
+        if self.current == name:
+            self.current = None
+
+    def _cmd_detach(self, argv: list[str]) -> None:
+        a = command("detach").parse(argv)
+        if a.name is None:
+            m = self.current_mesh()
+            name = self.current or ""
+        else:
+            name = a.name
+            held = self.meshes.get(name)
+            if held is None or not _drives(held):
+                raise UsageError(f"%mesh detach: this kernel holds no mesh named {name!r} "
+                                 f"(held: {self._held_names() or 'none'})")
+            m = held
+        if not _durable(m):
+            raise UsageError(f"%mesh detach: mesh {name!r} was spawned without --detach and "
+                             "cannot outlive this kernel; stop it with  %mesh stop, or spawn "
+                             f"it with  %mesh spawn N --name {name} --detach")
+        keep = getattr(m, "keep_alive", None)
+        self._detach(name, m)
+        print(f"mesh {name!r} detached: its ranks keep running"
+              + (f" (they end themselves after {fmt_duration(keep)} with no kernel)"
+                 if keep else "") + f";  %mesh attach {name}  comes back to it")
+
+    def _cmd_list(self, argv: list[str]) -> Any:
+        if argv:
+            raise UsageError(f"%mesh list: unexpected arguments {' '.join(argv)!r}. "
+                             f"Usage: {command('list').usage()}")
+        here = {n for n, m in self.meshes.items() if _drives(m)}
+        return MeshTable(mesh_registry.list_meshes(), here=here)
+
+    def _held_names(self) -> str:
+        return ", ".join(repr(n) for n, pm in self.meshes.items() if _drives(pm))
 
     def _cmd_use(self, argv: list[str]) -> None:
         a = command("use").parse(argv)
@@ -466,6 +760,7 @@ class MeshMagics(Magics):
         sent: list[int] = []  # the ranks interrupted
         killed: list[int] = []
         reason = "interrupted"
+        leaving = False
         while True:
             try:
                 self._pump(req, printer, start, timeout, interrupted)
@@ -474,11 +769,19 @@ class MeshMagics(Magics):
                 reason = f"timed out after {timeout:g} s"
                 interrupted = self._interrupt(m, req, interrupted, sent, killed)
             except KeyboardInterrupt:
+                if interrupted is None and _durable(m) and self._shutdown_follows():
+                    leaving = True  # (Jupyter interrupts a kernel before it shuts it down)
+                    break
                 interrupted = self._interrupt(m, req, interrupted, sent, killed)
         printer.close()
         if shown is not None:
             shown.close()
             self._rank_display = None
+        if leaving:
+            print(f"the kernel is shutting down: mesh {self.current!r} is detached and the "
+                  "cell goes on running on the ranks; %mesh attach follows it",
+                  file=sys.stderr)
+            raise _Leaving
         if interrupted is not None:
             if reason != "interrupted" and sent:
                 print(f"%%mesh {reason}; {ranks_label(sent)} "
@@ -492,6 +795,14 @@ class MeshMagics(Magics):
                 print(f"{ranks_label(killed)} ignored the interrupt and "
                       f"{'was' if len(killed) == 1 else 'were'} killed; restart with  "
                       f"{dead_hint(m)}", file=sys.stderr)
+
+    #: seconds an interrupt of a durable mesh's cell waits for a shutdown request to
+    #: follow it (Jupyter interrupts a kernel just before it shuts it down or restarts it)
+    SHUTDOWN_GRACE_S = 0.5
+
+    def _shutdown_follows(self) -> bool:
+        """Whether the kernel shuts down (or restarts) within :data:`SHUTDOWN_GRACE_S`."""
+        return self.shutting_down.wait(self.SHUTDOWN_GRACE_S)
 
     def _interrupt(self, m: ProcMesh, req: Request, first: float | None, sent: list[int],
                    killed: list[int]) -> float:
@@ -596,3 +907,8 @@ def _prefix_of(candidates: list[str], body: str) -> str:
 
 class _Timeout(Exception):
     pass
+
+
+class _Leaving(KeyboardInterrupt):
+    """The kernel shuts down while a durable mesh's cell runs: the cell ends here and
+    goes on on the ranks."""

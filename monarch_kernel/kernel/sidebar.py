@@ -104,7 +104,9 @@ def mesh_state(name: str, mesh: ProcMesh, running: tuple[Any, int] | None = None
     -------
     dict
         ``name``, ``shape`` (``{"hosts": 1, "procs": 4}``), ``status``
-        (``"live"`` or ``"stopped"``), ``current``, ``size``, and ``hosts``: a
+        (``"live"`` or ``"stopped"``), ``current``, ``size``, ``detached`` (a
+        durable mesh, ``%mesh spawn --detach``: it outlives the kernel),
+        ``keep_alive`` (its keep-alive in seconds, else None), and ``hosts``: a
         list of ``{"host": NAME, "ranks": [rank...]}`` in order of their first
         rank, each rank ``{"rank", "pid", "kind", "text", "exitcode", "cpu"
         (% of one core), "rss", "mem_total", "mem_limit" (bytes), "gpu_util" (%),
@@ -147,8 +149,12 @@ def mesh_state(name: str, mesh: ProcMesh, running: tuple[Any, int] | None = None
                                   and ps.parent == running[0].id and not running[0].done()),
         }
         hosts.setdefault(info.host or "?", []).append(row)
+    root = mesh.root
     return {"name": name, "shape": dict(mesh.shape.dims), "size": len(mesh.ranks),
             "status": "stopped" if stopped else "live", "current": current,
+            "detached": bool(getattr(root, "detached", False)),
+            "keep_alive": getattr(root, "keep_alive", None) if getattr(root, "detached", False)
+            else None,
             "hosts": [{"host": h, "ranks": rows} for h, rows in hosts.items()]}
 
 
@@ -159,7 +165,7 @@ def kernel_state(magics: Any, seq: int = 0, interval: float = DEFAULT_INTERVAL
     running = getattr(magics, "running_cell", None)
     meshes = []
     for name, m in list(magics.meshes.items()):
-        if m.root._stopped:
+        if m.root._stopped or getattr(m.root, "_gone", None):  # (detached, taken over)
             continue
         try:
             run = running if running is not None and running[0] is m.root else None

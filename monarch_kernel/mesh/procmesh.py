@@ -33,6 +33,7 @@ from monarch_kernel.actor.host import supervise_from_current_actor
 from monarch_kernel.actor.spawn import existing_actor_mesh, spawn_actor_mesh
 from monarch_kernel.controller.controller import Controller, Request
 from monarch_kernel.controller.output import RankPrinter, write_stream
+from monarch_kernel.debug.registry import registry_for
 from monarch_kernel.errors import (
     MESH_STOPPED,
     MeshBusyError,
@@ -698,6 +699,8 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
             mesh._reported_actors[r] = st.get("actors") or {}
             if st.get("paused"):
                 mesh._paused.append(r)
+            for content in st.get("debug") or ():  # (pdb sessions paused while detached)
+                registry_for(ctl).update(r, content)
         mesh_keys.register(ctl)
         mesh_keys.introduce(ctl, world)
     except BaseException:

@@ -13,11 +13,13 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["MAX_SECONDS", "check_number", "describe_number"]
+__all__ = ["DURATION_UNITS", "MAX_SECONDS", "check_number", "describe_number", "parse_duration"]
 
 #: the longest time in seconds a timeout or interval may be (about 31 years; the
 #: operating system's waits overflow some way above it)
 MAX_SECONDS = 1e9
+#: the units a duration may carry (``30s``, ``10m``, ``1h``, ``2d``) and their seconds
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def describe_number(minimum: float = 0, *, above: bool = False, integer: bool = False,
@@ -89,3 +91,49 @@ def check_number(value: Any, name: str = "", *, minimum: float = 0, above: bool 
     if maximum is not None and v > maximum:
         raise ValueError(f"{head} {want} and at most {maximum:g}, not {value!r}")
     return v
+
+
+def parse_duration(text: Any, name: str = "", *, above: bool = True) -> float:
+    """Seconds of a duration as a user writes it: ``"30s"``, ``"10m"``, ``"1h"``,
+    ``"2d"``, ``"1.5h"`` or a bare number of seconds (``"90"``, or an int/float).
+
+    The number goes through :func:`check_number` (seconds; positive with ``above``,
+    the default), so NaN, infinities, negatives and zero are refused alike.
+
+    Returns
+    -------
+    float
+        The duration in seconds.
+
+    Raises
+    ------
+    ValueError
+        For text that is not a number with one of the units s, m, h, d, or a
+        value :func:`check_number` refuses; the message names ``name``, what
+        a duration is, and what was given.
+    """
+    head = f"{name} must be" if name else "must be"
+    want = ("a positive duration" if above else "a duration 0 or more") + \
+        ": 30s, 10m, 1h, 2d (or seconds)"
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), "s"
+    elif isinstance(text, str):
+        t = text.strip().lower()
+        unit = t[-1:] if t[-1:] in DURATION_UNITS else "s"
+        number = t[:-1] if t[-1:] in DURATION_UNITS else t
+        try:
+            value = float(number)
+        except ValueError:
+            raise ValueError(f"{head} {want}, not {text!r}") from None
+    else:
+        raise ValueError(f"{head} {want}, not {text!r} ({type(text).__name__})")
+    try:
+        check_number(value, above=above, seconds=True)
+    except ValueError:
+        raise ValueError(f"{head} {want}, not {text!r}") from None
+    seconds = value * DURATION_UNITS[unit]
+    try:
+        return float(check_number(seconds, above=above, seconds=True))
+    except ValueError:
+        raise ValueError(f"{head} {want} and at most {MAX_SECONDS:g} seconds, "
+                         f"not {text!r}") from None

@@ -23,7 +23,7 @@ def test_spawn_defaults_are_spawn_procs_defaults():
     for name in ("launcher", "bind", "heartbeat", "timeout", "telemetry_interval", "restart",
                  "max_restarts"):
         assert getattr(a, name) == d[name], name
-    assert a.dist == "none" and d["dist"] is None and a.size == "4" and a.name == "mesh"
+    assert a.dist == "none" and d["dist"] is None and a.size == "4" and a.name is None  # ("mesh")
     assert command("restart").parse(["1"]).timeout == _defaults(ProcMesh.restart)["timeout"]
     dash = command("dashboard").parse([])
     assert (dash.interval, dash.history, dash.layout) == tuple(
@@ -39,7 +39,7 @@ def test_spawn_defaults_are_spawn_procs_defaults():
     ("%%mesh", ["--bogus"],
      "%%mesh: unrecognized arguments: --bogus. Usage: %%mesh [--ranks SPEC]"),
     ("restart", [], "required: ranks. Usage: %mesh restart RANKS"),
-    ("stop", ["--now"], "Usage: %mesh stop [--all]"),
+    ("stop", ["--now"], "Usage: %mesh stop [NAME] [--all]"),
 ])
 def test_bad_arguments_give_one_line_with_the_usage(name, argv, text):
     with pytest.raises(UsageError) as ei:
