@@ -22,7 +22,14 @@ from monarch_kernel.launchers.guard import Guardian
 from monarch_kernel.launchers.zygote import WorkerProcess, start_worker
 from monarch_kernel.transport import lane
 
-__all__ = ["LocalLauncher"]
+__all__ = ["WORKER_PRELOAD", "LocalLauncher"]
+
+#: what the template process of local workers imports besides ``monarch_kernel.__main__``:
+#: what a worker imports at its first actor call and its first telemetry sample (by name:
+#: a head start for the workers, not a dependency of the launcher)
+WORKER_PRELOAD = ("monarch_kernel.actor.actor_mesh", "monarch_kernel.actor.peers",
+                  "monarch_kernel.actor.host", "monarch_kernel.controller.controller",
+                  "monarch_kernel.tensors.store", "psutil", "pynvml")
 
 
 class LocalLauncher(Launcher):
@@ -113,7 +120,7 @@ class LocalLauncher(Launcher):
             env["MONARCH_LANE_FD"] = str(theirs.fileno())
             keep = (*keep, theirs.fileno())
         try:
-            proc = start_worker(worker_command(spec, rank), env, w1, w2, keep)
+            proc = start_worker(worker_command(spec, rank), env, w1, w2, keep, WORKER_PRELOAD)
         except BaseException:
             if ours is not None:
                 ours.close()

@@ -55,7 +55,6 @@ off (:func:`~monarch_kernel.util.switches.zygote_enabled`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import importlib.util
 import json
@@ -73,7 +72,7 @@ from collections.abc import Mapping, Sequence
 from monarch_kernel.util.switches import zygote_enabled
 
 __all__ = ["MAX_RESTARTS", "PRELOAD_ENV", "UNKNOWN_STATUS", "WorkerProcess", "Zygote",
-           "shutdown", "start_worker"]
+           "current", "prestart", "shutdown", "start_worker"]
 
 #: modules the zygote imports besides the worker's own (comma-separated, e.g. "torch")
 PRELOAD_ENV = "MONARCH_ZYGOTE_PRELOAD"
@@ -234,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.pop(_PAD_VAR, None)
     error = ""
-    for name in filter(None, args[2].split(",")):
+    for i, name in enumerate(filter(None, args[2].split(","))):
         try:
             importlib.import_module(name)
         except BaseException as e:  # noqa: BLE001 - reported to the launcher, which falls back
-            error = f"could not import {name}: {type(e).__name__}: {e}"
-            break
+            if i == 0:  # (the others are only a head start: the worker imports what it needs)
+                error = f"could not import {name}: {type(e).__name__}: {e}"
+                break
     areas = _proc_areas()
     if not error and _threads() != 1:
         error = f"{_threads()} threads after the imports (a fork copies only one)"
@@ -316,9 +316,13 @@ class Zygote:
         The module workers run (``python -m MODULE``); the zygote imports it
         (its ``__main__`` for a package) with pyzmq and cloudpickle.
     preload : sequence of str
-        More modules to import in the zygote.
+        More modules to import in the zygote (those that fail to import are
+        left to the workers).
     timeout : float
         Seconds to wait for the zygote to be ready, and for each reply.
+    env : mapping or None
+        The zygote's environment (``os.environ`` if None); workers whose
+        ``PYTHON*``, ``LD_*``, ``MALLOC_*`` variables differ are not forked from it.
 
     Raises
     ------
@@ -326,25 +330,28 @@ class Zygote:
         If the zygote cannot be started or is not ready in time.
     """
 
-    def __init__(self, module: str, preload: Sequence[str] = (), timeout: float = 60.0) -> None:
+    def __init__(self, module: str, preload: Sequence[str] = (), timeout: float = 60.0,
+                 env: Mapping[str, str] | None = None) -> None:
         self.module = module
         self.timeout = timeout
         self.owner = os.getpid()
-        self.startup_env = _startup_env(os.environ)
+        base = dict(os.environ if env is None else env)
+        self.startup_env = _startup_env(base)
         self._lock = threading.Lock()
         self._next = 0
         self.exits: dict[int, int] = {}
         self.dead = False
+        #: it started but cannot fork workers (threads, a failed import): never retried
+        self.refused = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
         names = [_main_of(module), "zmq", "cloudpickle", *preload]
-        env = dict(os.environ)
-        env[_PAD_VAR] = "x" * _ENV_ROOM
+        base[_PAD_VAR] = "x" * _ENV_ROOM
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _ENTRY, str(theirs.fileno()), str(os.getpid()),
                  ",".join(names), " " * _ARGV_ROOM],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                env=base, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),), start_new_session=True,
             )
         except BaseException:
@@ -352,15 +359,29 @@ class Zygote:
             raise
         finally:
             theirs.close()
+        self._ready = False
+
+    def _wait_ready(self) -> None:
+        """Wait for the zygote's first message (its imports done); under ``_lock``.
+
+        Raises
+        ------
+        OSError
+            If it did not start, or cannot fork.
+        """
+        if self._ready:
+            return
         try:
-            ready = self._recv(timeout)
-        except (_Dead, TimeoutError) as e:
-            self.close()
+            ready = self._recv(self.timeout)
+        except (_Dead, TimeoutError, ValueError) as e:
+            self._died()
             raise OSError(f"the template process that starts workers did not start: {e}") from None
         if ready.get("error"):
-            self.close()
+            self.refused = True
+            self._died()
             raise OSError(f"the template process that starts workers cannot fork: "
                           f"{ready['error']}")
+        self._ready = True
 
     @property
     def pid(self) -> int:
@@ -402,7 +423,7 @@ class Zygote:
 
     def drain(self) -> None:
         """Store the exit reports waiting on the socket (never blocks)."""
-        if self.dead or not self._lock.acquire(blocking=False):
+        if self.dead or not self._ready or not self._lock.acquire(blocking=False):
             return
         try:
             while select.select([self.sock], [], [], 0)[0]:
@@ -432,6 +453,7 @@ class Zygote:
         with self._lock:
             if self.dead:
                 raise OSError("the template process has ended")
+            self._wait_ready()
             self._next += 1
             rid = self._next
             req = json.dumps({"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd,
@@ -567,39 +589,60 @@ _given_up = False
 _zlock = threading.Lock()
 
 
-def _get(module: str) -> Zygote | None:
-    """The zygote for ``module`` (started or restarted as needed); None when
-    workers must start the plain way."""
+def _get(module: str, preload: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
+    """The zygote for ``module`` and what Python reads from ``env`` when it
+    starts (started, replaced or restarted as needed); None when workers must
+    start the plain way."""
     global _zygote, _restarts, _given_up
     with _zlock:
         z = _zygote
-        if z is not None and z.module == module and z.owner == os.getpid() and z.alive():
-            return z
-        if _given_up:
-            return None
         if z is not None and z.owner == os.getpid():
-            z.drain()
-            if z.dead or not z.alive():
+            same = z.module == module and z.startup_env == _startup_env(env)
+            if same and z.alive():
+                return z
+            if not same:  # (e.g. PYTHONPATH changed): it still serves the workers it started
+                _zygote = None
+            elif z.refused:
+                _given_up = True
+                _zygote = None
+                z.close(0.5)
+            else:
+                z.close(0.5)
                 _restarts += 1
                 if _restarts > MAX_RESTARTS:
                     _given_up = True
                     warnings.warn(f"the template process that starts workers ended "
                                   f"{_restarts} times: workers now start as new Python "
                                   f"processes (slower)", RuntimeWarning, stacklevel=4)
-                    return None
-                warnings.warn(f"the template process that starts workers ended (status "
-                              f"{z.proc.poll()}); starting a new one", RuntimeWarning,
-                              stacklevel=4)
-        preload = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+                else:
+                    warnings.warn(f"the template process that starts workers ended (exit "
+                                  f"status {z.proc.poll()}); starting a new one",
+                                  RuntimeWarning, stacklevel=4)
+        if _given_up:
+            return None
+        extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
         try:
-            _zygote = Zygote(module, preload)
+            _zygote = Zygote(module, [*preload, *extra], env=env)
         except OSError as e:
             _given_up = True
             _zygote = None
-            warnings.warn(f"{e}; workers start as new Python processes (slower)",
+            warnings.warn(f"could not start the template process that starts workers ({e}): "
+                          f"workers start as new Python processes (slower)",
                           RuntimeWarning, stacklevel=4)
             return None
         return _zygote
+
+
+def prestart(module: str, preload: Sequence[str] = ()) -> None:
+    """Start the zygote for workers of ``python -m module`` now, without
+    waiting for it (the first mesh then does not wait for its imports).
+    Does nothing if ``MONARCH_ZYGOTE`` is 0 or invalid, or one runs."""
+    try:
+        if not zygote_enabled(os.environ):
+            return
+    except ValueError:
+        return
+    _get(module, preload, os.environ)
 
 
 def shutdown() -> None:
@@ -618,12 +661,14 @@ def current() -> Zygote | None:
 
 
 def start_worker(argv: Sequence[str], env: Mapping[str, str], stdout: int, stderr: int,
-                 pass_fds: Sequence[int] = ()) -> WorkerProcess | subprocess.Popen:
+                 pass_fds: Sequence[int] = (), preload: Sequence[str] = ()
+                 ) -> WorkerProcess | subprocess.Popen:
     """Start one worker in a session of its own, as ``subprocess.Popen(argv,
     env=env, stdin=DEVNULL, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
     start_new_session=True)`` would: forked from the zygote when it can be
     (``MONARCH_ZYGOTE`` not 0, ``argv`` is ``[sys.executable, "-m", MODULE,
-    ...]``), else with ``subprocess.Popen``.
+    ...]``), else with ``subprocess.Popen``. ``preload``: modules the zygote
+    imports besides ``MODULE`` (when it starts).
 
     Raises
     ------
@@ -633,15 +678,14 @@ def start_worker(argv: Sequence[str], env: Mapping[str, str], stdout: int, stder
         If ``MONARCH_ZYGOTE`` holds something other than 0 or 1.
     """
     if zygote_enabled(env) and len(argv) >= 3 and argv[1] == "-m":
-        z = _get(argv[2])
+        z = _get(argv[2], preload, env)
         if z is not None and z.usable_for(argv, env):
             fds = {1: stdout, 2: stderr, **{f: f for f in pass_fds}}
             try:
                 pid = z.spawn(argv, env, fds, os.getcwd())
             except OSError as e:
-                if z.dead:
-                    warnings.warn(f"{e}: this worker starts as a new Python process",
-                                  RuntimeWarning, stacklevel=2)
+                warnings.warn(f"{e}: this worker starts as a new Python process",
+                              RuntimeWarning, stacklevel=2)
             else:
                 return WorkerProcess(z, pid, argv)
     return subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=stdout,
