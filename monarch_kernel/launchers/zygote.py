@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parent = int(args[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.pop(_PAD_VAR, None)
+    for name in ("ctypes", "fcntl", "random", "runpy", "traceback"):  # (what each child uses)
+        importlib.import_module(name)
     error = ""
     for i, name in enumerate(filter(None, args[2].split(","))):
         try:
