@@ -494,14 +494,16 @@ class Zygote:
 
 
 def _main_of(module: str) -> str:
-    """The module ``python -m MODULE`` runs (``MODULE.__main__`` for a package)."""
+    """What the zygote imports of ``python -m MODULE``: ``MODULE.__main__`` for
+    a package (whose ``if __name__ == "__main__"`` keeps it from running), else
+    only the package that holds the module (importing the module would run it)."""
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
-        return module
+        spec = None
     if spec is not None and spec.submodule_search_locations is not None:
         return f"{module}.__main__"
-    return module
+    return module.rpartition(".")[0] or "sys"
 
 
 def _startup_env(env: Mapping[str, str]) -> dict[str, str]:

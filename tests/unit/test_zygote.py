@@ -97,7 +97,7 @@ def test_forked_worker_gets_what_popen_would_give(probe):
                                                        "sleep"]
         assert psutil.Process(h.pid).environ().get("PROBE") == info["probe"]
         # only stdin, stdout, stderr, the fd passed (same number) and listdir's own fd
-        assert set(info["fds"]) - {0, 1, 2, info["passed_fd"]} <= {max(info["fds"])}
+        assert len(set(info["fds"]) - {0, 1, 2, info["passed_fd"]}) <= 1
         assert info["passed_fd"] in info["fds"]
         assert info["cwd"] == os.getcwd()
     assert (ia["probe"], ib["probe"]) == ("rank0", "rank1")  # the environment per worker
