@@ -172,9 +172,13 @@ def _child(req: dict, fds: list[int], areas: tuple[int, int, int, int] | None,
     if np is not None:
         with contextlib.suppress(Exception):
             np.random.seed()
-    sys.argv = [req["argv"][2], *req["argv"][3:]]
+    module = req["argv"][2]
+    sys.argv = [module, *req["argv"][3:]]
+    # (as under python -m, the code run as __main__ is not also in sys.modules under
+    # its own name: runpy warns otherwise, and a second copy would be unexpected)
+    sys.modules.pop(_main_of(module) if _is_package(module) else module, None)
     try:
-        runpy.run_module(req["argv"][2], run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0
     except SystemExit as e:
         if e.code is None:
@@ -493,15 +497,19 @@ class Zygote:
             self.proc.wait(5)
 
 
+def _is_package(module: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.submodule_search_locations is not None
+
+
 def _main_of(module: str) -> str:
     """What the zygote imports of ``python -m MODULE``: ``MODULE.__main__`` for
     a package (whose ``if __name__ == "__main__"`` keeps it from running), else
     only the package that holds the module (importing the module would run it)."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations is not None:
+    if _is_package(module):
         return f"{module}.__main__"
     return module.rpartition(".")[0] or "sys"
 
