@@ -45,10 +45,14 @@ own Python, with a warning). Workers it had started still run; their exit is
 still seen (pidfd), but their exit status is lost and reported as
 :data:`UNKNOWN_STATUS`.
 
-Not shared with the fork: ``PYTHONHASHSEED`` (every rank of a zygote has the
-same ``hash()`` seed) and what Python reads only when it starts: a request
-whose ``PYTHON*``, ``LD_*`` or ``MALLOC_*`` variables or interpreter differ
-from the zygote's starts the plain way. ``MONARCH_ZYGOTE=0`` turns the zygote
+What a fork shares with its zygote, unlike a new Python: the ``hash()`` seed
+(``PYTHONHASHSEED``: the same on every rank), the umask and resource limits
+of the kernel when the zygote started, and what Python reads only when it
+starts. So a request whose ``PYTHON*``, ``LD_*`` or ``MALLOC_*`` variables
+differ from the zygote's gets a new zygote started with them (the old one
+still serves the workers it started), and one for another interpreter, or
+whose argv or environment do not fit in the room kept for them in ``/proc``
+(8 KiB, 64 KiB), starts the plain way. ``MONARCH_ZYGOTE=0`` turns the zygote
 off (:func:`~monarch_kernel.util.switches.zygote_enabled`).
 """
 
