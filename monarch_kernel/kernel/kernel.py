@@ -20,6 +20,8 @@ from traitlets import Float, Type
 from monarch_kernel import __version__
 from monarch_kernel.kernel.magics import MeshMagics
 from monarch_kernel.kernel.sidebar import MeshSidebar
+from monarch_kernel.launchers import zygote
+from monarch_kernel.launchers.local import WORKER_PRELOAD
 
 __all__ = ["MonarchKernel", "MonarchShell"]
 
@@ -117,6 +119,9 @@ class MonarchKernel(IPythonKernel):
         # JupyterLab's mesh sidebar opens comms to "monarch.mesh" (kernel/sidebar.py)
         self.mesh_sidebar = MeshSidebar(self.mesh_magics)
         self.mesh_sidebar.register(self.comm_manager)
+        # local workers fork from a template process: its imports start now, not at the
+        # first %mesh spawn (launchers/zygote.py; MONARCH_ZYGOTE=0: none)
+        zygote.prestart("monarch_kernel", WORKER_PRELOAD)
 
     async def do_shutdown(self, restart: bool) -> dict[str, Any]:
         self.mesh_magics.shutting_down.set()  # (a durable mesh's running cell: left running)

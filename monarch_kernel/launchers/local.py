@@ -21,9 +21,17 @@ from monarch_kernel.launchers.base import (
     worker_command,
 )
 from monarch_kernel.launchers.guard import Guardian
+from monarch_kernel.launchers.zygote import WorkerProcess, start_worker
 from monarch_kernel.transport import lane
 
-__all__ = ["AdoptedLauncher", "DetachPlan", "LocalLauncher"]
+#: what the template process of local workers imports besides ``monarch_kernel.__main__``:
+#: what a worker imports at its first actor call and its first telemetry sample (by name:
+#: a head start for the workers, not a dependency of the launcher)
+WORKER_PRELOAD = ("monarch_kernel.actor.actor_mesh", "monarch_kernel.actor.peers",
+                  "monarch_kernel.actor.host", "monarch_kernel.controller.controller",
+                  "monarch_kernel.tensors.store", "psutil", "pynvml")
+
+__all__ = ["WORKER_PRELOAD", "AdoptedLauncher", "DetachPlan", "LocalLauncher"]
 
 
 @dataclass
@@ -65,13 +73,15 @@ class LocalLauncher(Launcher):
     left of its session (processes user code started) ends within
     :data:`~.guard.DEFAULT_GRACE` seconds; when the controller ends, however
     it ends, the workers do too, even one whose Python is stuck in C code.
+    Workers are forked from a pre-imported template process when they can be
+    (:func:`.zygote.start_worker`; ``MONARCH_ZYGOTE=0``: each starts a new Python).
     """
 
     name = "local"
     local = True
 
     def __init__(self) -> None:
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | WorkerProcess] = {}
         self.pipes: dict[int, tuple[int, int]] = {}
         #: set by the controller: callable(rank, stdout_fd, stderr_fd) taking the
         #: read ends of each new worker's output pipes
@@ -170,10 +180,7 @@ class LocalLauncher(Launcher):
             env["MONARCH_LANE_FD"] = str(theirs.fileno())
             keep = (*keep, theirs.fileno())
         try:
-            proc = subprocess.Popen(
-                worker_command(spec, rank), env=env, stdin=subprocess.DEVNULL,
-                stdout=w1, stderr=w2, pass_fds=keep, start_new_session=True,
-            )
+            proc = start_worker(worker_command(spec, rank), env, w1, w2, keep, WORKER_PRELOAD)
         except BaseException:
             if ours is not None:
                 ours.close()

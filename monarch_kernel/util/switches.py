@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["lanes_enabled", "peer_lead_enabled", "sched_batch_enabled", "zero_or_one"]
+__all__ = ["lanes_enabled", "peer_lead_enabled", "sched_batch_enabled", "zero_or_one",
+           "zygote_enabled"]
 
 
 def zero_or_one(environ: Mapping[str, str], name: str, off: str, on: str) -> bool:
@@ -77,3 +78,16 @@ def sched_batch_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return zero_or_one(environ, "MONARCH_SCHED_BATCH",
                        "workers are scheduled as ordinary processes",
                        "SCHED_BATCH: a waking worker does not preempt the controller")
+
+
+def zygote_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether local workers are forked from a pre-imported template process
+    (``MONARCH_ZYGOTE``, :mod:`monarch_kernel.launchers.zygote`).
+
+    Raises
+    ------
+    ValueError
+        If ``MONARCH_ZYGOTE`` is set to something other than 0 or 1.
+    """
+    return zero_or_one(environ, "MONARCH_ZYGOTE", "each worker starts a new Python",
+                       "workers are forked from a template process")
