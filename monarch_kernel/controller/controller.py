@@ -74,7 +74,12 @@ from monarch_kernel.transport.sockets import (
 from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
-from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
+from monarch_kernel.util.switches import (
+    batching_enabled,
+    lanes_enabled,
+    peer_lead_enabled,
+    sched_batch_enabled,
+)
 from monarch_kernel.wire import protocol, shm
 from monarch_kernel.wire.serialize import cuda_ipc
 
@@ -130,7 +135,8 @@ class Controller:
         If the environment variable ``MONARCH_SPIN_US`` (how long, in
         microseconds, a caller looks for its reply before it sleeps; see
         :mod:`monarch_kernel.controller.io`) is not a number from 0 to 10000,
-        or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH``
+        or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD``, ``MONARCH_SCHED_BATCH`` or
+        ``MONARCH_BATCHING``
         (:mod:`monarch_kernel.util.switches`) is not 0 or 1, or
         ``MONARCH_MAX_MESSAGE_BYTES`` is not a number of bytes of at least 1 MiB.
     """
@@ -148,6 +154,8 @@ class Controller:
         self.use_lanes = lanes_enabled()
         peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
         sched_batch_enabled()
+        #: pipelined calls may leave several to a message (MONARCH_BATCHING)
+        self.batching = batching_enabled()
         max_message_bytes()
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
@@ -389,13 +397,13 @@ class Controller:
         if starting:  # being restarted: wait for it rather than send into the void
             self.wait_ready(starting, self.restart_timeout)
         mid = self.codec.new_id()
-        if batching.may_hold(type, ranks, content, len(self.pending)):
+        if batching.may_hold(type, ranks, content, len(self.pending), self.batching):
             return self.batcher.held_request(mid, ranks[0], content)
         local = all(r in self.local_ranks for r in ranks)
         names: list[str] = []
         with cuda_ipc(local and len(ranks) == 1):  # one process on this host
             frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
-                                       shm_out=names)
+                                       shm_out=names, to=ranks)
         req = Request(mid, ranks, request_label(type, content))
         req.waiter = self.wait_for
         if req.label:
@@ -452,7 +460,7 @@ class Controller:
                  not in ("dead", "stopped")]
         if ranks and not self.stopping:
             try:
-                self._send(ranks, self.codec.encode(type, content))
+                self._send(ranks, self.codec.encode(type, content, to=ranks))
             except TransportError as e:  # one-way: a rank that went away misses it
                 log.debug("a one-way %r message was not delivered: %s", type, e)
 
