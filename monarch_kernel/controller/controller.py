@@ -57,6 +57,7 @@ from monarch_kernel.errors import (
 )
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
+from monarch_kernel.transport.lane import send_all as lanes_send_all
 from monarch_kernel.transport.sockets import (
     DOWN_MAX_MESSAGE,
     KeyGate,
@@ -329,18 +330,14 @@ class Controller:
             If a rank cannot be reached.
         """
         self.engine.expect_input()  # replies may come soon: a waiting caller looks first
-        prepared = None  # the lane framing of `frames`, made once for all lanes
+        lanes = []  # the ranks on lanes get the same prepared buffers, in one loop
+        lane_of, infos = self.lane_of, self.ranks
         for r in ranks:
-            info = self.ranks.get(r)
+            info = infos.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
-                lane = self.lane_of.get(r)
+                lane = lane_of.get(r)
                 if lane is not None:
-                    if prepared is None:
-                        prepared = lane_prepare(frames)
-                    try:
-                        lane.send_prepared(prepared)
-                    except TransportError as e:  # its process is gone
-                        raise TransportError(f"cannot send to rank {r}: {e}") from e
+                    lanes.append(lane)
                 elif info.down:
                     # just after its hello, a rank's second connection may not be
                     # attached yet: wait for it then (never on the I/O thread, never
@@ -352,6 +349,12 @@ class Controller:
                         raise TransportError(f"cannot send to rank {r}: it is not connected")
                 else:
                     self.outbox.send([info.identity, *frames])
+        if lanes:
+            failed = lanes_send_all(lanes, lane_prepare(frames))
+            if failed is not None:  # its process is gone
+                lane, e = failed
+                rank = next((r for r, ln in lane_of.items() if ln is lane), "?")
+                raise TransportError(f"cannot send to rank {rank}: {e}") from e
 
     def send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
         """Send on the second socket; a worker whose second connection is not
@@ -772,7 +775,7 @@ class Controller:
                 elif req.failure is not None:
                     self._retire_if_settled(req)
             if info.state == "busy" and not any(
-                rank in q.ranks and rank not in q.replies for q in self.pending.values()
+                rank in q.rankset and rank not in q.replies for q in self.pending.values()
             ):
                 info.state = "idle"
         if finished is not None:
