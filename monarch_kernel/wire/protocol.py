@@ -418,6 +418,7 @@ class Codec:
         self._expected: dict[str, tuple[int, int]] = {}  # sender -> (epoch, floor)
         #: reusable shared-memory files for requests to this host (set by owners)
         self.pool: _shm.Pool | None = None
+        self._ranges_of: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
 
     def release_shm(self, names: list[str], discard: bool = False) -> None:
         """Give back shared-memory files of a finished request.
@@ -590,8 +591,20 @@ class Codec:
                 sh = [i for i in big if not isinstance(buffers[i], memoryview)]
         lengths = [len(b) if isinstance(b, bytes) else b.nbytes for b in buffers]
         header = pack_header(type, id or self.new_id(), parent, self.sender, lengths, sh,
-                             rank_ranges(to) if to else ())
+                             self._ranges(to) if to else ())
         return self.seal(header, payload, buffers)
+
+    def _ranges(self, to: Any) -> tuple[tuple[int, int], ...]:
+        """:func:`rank_ranges` of ``to``, kept for the last few rank sets (a
+        mesh's broadcasts go to the same ranks time after time)."""
+        key = tuple(to)
+        ranges = self._ranges_of.get(key)
+        if ranges is None:
+            ranges = rank_ranges(key)
+            if len(self._ranges_of) >= 64:
+                self._ranges_of.clear()
+            self._ranges_of[key] = ranges
+        return ranges
 
     def decode(self, frames: list[Any], router: bool = False, lazy: bool = False,
                identity: list[bytes] | None = None) -> Message:
