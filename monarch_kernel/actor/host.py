@@ -248,7 +248,7 @@ class _ActorInstance:
         return bool(self._held)
 
     def _run_maybe_async(self, value: Any) -> Any:
-        if asyncio.iscoroutine(value):
+        if value is not None and asyncio.iscoroutine(value):  # (None: most endpoints')
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
                 asyncio.set_event_loop(self.loop)
