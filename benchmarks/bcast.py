@@ -72,23 +72,27 @@ def fanout(sizes: tuple[int, ...], calls: int = 300, block: int = 50) -> dict[st
     """Broadcast p50 and spread per N, ours and raw over ipc and tcp (see the module docstring)."""
     pol = policy()
     rows: dict[str, Any] = {}
+    errors: dict[str, str] = {}
     for n in sizes:
         print(f"[bcast] N={n}", file=sys.stderr, flush=True)
-        raw_ipc = RawMesh(n, "ipc", pol)
-        raw_tcp = RawMesh(n, "tcp", pol)
-        procs = spawn_procs(n, telemetry_interval=0, timeout=300, force=True)
-        try:
-            noop = procs.spawn("bench", Bench).noop
-            rows[str(n)] = _blocks({"ours": lambda noop=noop: noop.call().get(),
-                                    "raw_ipc": raw_ipc.bcast, "raw_tcp": raw_tcp.bcast},
-                                   calls, block)
-        finally:
-            procs.stop()
-            raw_ipc.close()
-            raw_tcp.close()
-    out: dict[str, Any] = {"rows": rows, "raw_policy": pol}
+        with contextlib.ExitStack() as stack:
+            try:
+                raw_ipc = RawMesh(n, "ipc", pol)
+                stack.callback(raw_ipc.close)
+                raw_tcp = RawMesh(n, "tcp", pol)
+                stack.callback(raw_tcp.close)
+                procs = spawn_procs(n, telemetry_interval=0, timeout=300, force=True)
+                stack.callback(procs.stop)
+                noop = procs.spawn("bench", Bench).noop
+                rows[str(n)] = _blocks({"ours": lambda noop=noop: noop.call().get(),
+                                        "raw_ipc": raw_ipc.bcast, "raw_tcp": raw_tcp.bcast},
+                                       calls, block)
+            except Exception as e:  # noqa: BLE001 - one size failing keeps the others
+                errors[str(n)] = f"{type(e).__name__}: {e}"
+                print(f"[bcast] N={n} not measured: {errors[str(n)]}", file=sys.stderr)
+    out: dict[str, Any] = {"rows": rows, "raw_policy": pol, "errors": errors}
     ns = [int(n) for n in rows]
-    top = max(ns)
+    top = max(ns, default=0)
     if 4 in ns and top > 4:
         out["slope_us_per_rank"] = {
             k: (rows[str(top)][k]["p50"] - rows["4"][k]["p50"]) / (top - 4)

@@ -122,7 +122,7 @@ class RawMesh:
         self.ids: list[bytes] = []
         self.peer_ports: dict[bytes, str] = {}
         while len(self.ids) < n:
-            if not self.router.poll(30000):
+            if not self.router.poll(120000):  # (64 workers on 2 busy cores take a while)
                 raise TimeoutError("raw workers did not connect")
             ident, _, port_b = self.router.recv_multipart()
             self.ids.append(ident)
