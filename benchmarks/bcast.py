@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -85,9 +86,11 @@ def fanout(sizes: tuple[int, ...], calls: int = 300, block: int = 50) -> dict[st
                 procs = spawn_procs(n, telemetry_interval=0, timeout=300, force=True)
                 stack.callback(procs.stop)
                 noop = procs.spawn("bench", Bench).noop
-                rows[str(n)] = _blocks({"ours": lambda noop=noop: noop.call().get(),
-                                        "raw_ipc": raw_ipc.bcast, "raw_tcp": raw_tcp.bcast},
-                                       calls, block)
+
+                def ours(noop: Any = noop) -> None:
+                    noop.call().get()
+                rows[str(n)] = _blocks({"ours": ours, "raw_ipc": raw_ipc.bcast,
+                                        "raw_tcp": raw_tcp.bcast}, calls, block)
             except Exception as e:  # noqa: BLE001 - one size failing keeps the others
                 errors[str(n)] = f"{type(e).__name__}: {e}"
                 print(f"[bcast] N={n} not measured: {errors[str(n)]}", file=sys.stderr)
@@ -137,9 +140,8 @@ def throughput(sizes: tuple[int, ...] = (2, 4), rounds: int = 9) -> dict[str, An
             one = procs.spawn("bench", Bench).slice(procs=0)
             one_plain = plain.spawn("bench", Bench).slice(procs=0)
             fns: dict[str, Callable[[], float]] = {
-                "ours_batching": lambda one=one: _pipelined(one.noop.call_one),
-                "ours_no_batching": lambda one_plain=one_plain: _pipelined(
-                    one_plain.noop.call_one),
+                "ours_batching": functools.partial(_pipelined, one.noop.call_one),
+                "ours_no_batching": functools.partial(_pipelined, one_plain.noop.call_one),
                 "raw_ipc": raw.pipelined,
             }
             for fn in fns.values():
