@@ -15,8 +15,10 @@ results record the policy of ours (``sched_batch``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -26,9 +28,13 @@ import zmq
 from benchmarks.stats import fanout_p50_us, latencies_us, p50, p99
 
 MiB = 1 << 20
+#: set to "batch" in a raw worker's environment: it runs under SCHED_BATCH, as ours do
+POLICY_ENV = "RAW_ZMQ_POLICY"
 
 
 def worker(addr: str, ident: str) -> None:
+    if os.environ.get(POLICY_ENV) == "batch":  # our workers' policy (worker/sched.py)
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
@@ -82,22 +88,41 @@ def worker(addr: str, ident: str) -> None:
 
 
 class RawMesh:
-    """N raw echo workers and a ROUTER controller."""
+    """N raw echo workers and a ROUTER controller.
 
-    def __init__(self, n: int) -> None:
+    Parameters
+    ----------
+    n : int
+        Workers.
+    transport : {"tcp", "ipc"}
+        The ROUTER's endpoint: loopback TCP, or a Unix socket in a fresh
+        private directory (removed by :meth:`close`).
+    policy : {"ordinary", "batch"}
+        The workers' scheduling policy: ``"batch"`` is ``SCHED_BATCH``, what
+        our workers run under by default (:mod:`monarch_kernel.worker.sched`).
+    """
+
+    def __init__(self, n: int, transport: str = "tcp", policy: str = "ordinary") -> None:
         t0 = time.perf_counter()
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.linger = 0
         self.router.sndhwm = self.router.rcvhwm = 0  # ROUTER drops at the HWM otherwise
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        addr = f"tcp://127.0.0.1:{port}"
+        self.tmp: str | None = None
+        if transport == "ipc":
+            self.tmp = tempfile.mkdtemp(prefix="raw-zmq-")
+            addr = f"ipc://{self.tmp}/router"
+            self.router.bind(addr)
+        else:
+            port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            addr = f"tcp://127.0.0.1:{port}"
+        env = {**os.environ, POLICY_ENV: policy}
         self.procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.raw_zmq", "worker",
-                                        addr, f"w{i}"]) for i in range(n)]
+                                        addr, f"w{i}"], env=env) for i in range(n)]
         self.ids: list[bytes] = []
         self.peer_ports: dict[bytes, str] = {}
         while len(self.ids) < n:
-            if not self.router.poll(30000):
+            if not self.router.poll(120000):  # (64 workers on 2 busy cores take a while)
                 raise TimeoutError("raw workers did not connect")
             ident, _, port_b = self.router.recv_multipart()
             self.ids.append(ident)
@@ -155,6 +180,8 @@ class RawMesh:
                 p.wait()
         self.router.close(0)
         self.ctx.term()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def measure(n: int, calls: int = 2000, big: bool = True) -> dict[str, float]:

@@ -468,7 +468,9 @@ class ActorMesh(Generic[A]):
         with rec.lock:
             for r in ranks:
                 rec.inflight[r] = rec.inflight.get(r, 0) + 1
-        what = f"{rec.name}.{method} on {ranks_label(ranks)}"  # (named by a timeout)
+        def what() -> str:  # (named by a timeout)
+            return f"{rec.name}.{method} on {ranks_label(ranks)}"
+
         if rec.procmesh is not None:  # its controller's process: this thread reads its reply
             ctl = rec.procmesh.controller
             ctl.defer_io()

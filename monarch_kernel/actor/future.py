@@ -79,9 +79,9 @@ class Future(Generic[T]):
     resume : callable() -> None, optional
         Called before a coroutine awaits: it cannot read the reply itself,
         so the controller's I/O thread must (``Controller.resume_io``).
-    what : str, optional
+    what : str or callable() -> str, optional
         What it waits for (``"trainers.step on rank 1"``), named by the
-        TimeoutError of :meth:`get`.
+        TimeoutError of :meth:`get` (a callable: made only then).
 
     Notes
     -----
@@ -106,7 +106,8 @@ class Future(Generic[T]):
     def __init__(self, pump: Callable[[bool], None] | None = None,
                  guard: Callable[[], None] | None = None,
                  waiter: Callable[[Flag, float | None], bool] | None = None,
-                 resume: Callable[[], None] | None = None, what: str = "") -> None:
+                 resume: Callable[[], None] | None = None,
+                 what: str | Callable[[], str] = "") -> None:
         self._what = what  # what it waits for (``mesh.method on rank 1``), for a timeout
         self._event = Flag()
         self._waiter = waiter
@@ -336,7 +337,9 @@ def _resolve(waiter: asyncio.Future[Any]) -> None:
         waiter.set_result(None)
 
 
-def _timeout(timeout: float | None, what: str = "") -> TimeoutError:
+def _timeout(timeout: float | None, what: str | Callable[[], str] = "") -> TimeoutError:
+    if callable(what):  # (made only when needed: naming many ranks costs a little)
+        what = what()
     return TimeoutError(
         f"no result{' from ' + what if what else ''} within {timeout:g} s; the call goes "
         "on: call get() again to keep waiting")

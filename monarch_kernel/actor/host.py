@@ -45,6 +45,7 @@ from monarch_kernel.actor.rref import keep_result
 from monarch_kernel.errors import SerializationError
 from monarch_kernel.mesh.shape import Point, Shape
 from monarch_kernel.util import gpu
+from monarch_kernel.util.switches import batching_enabled
 from monarch_kernel.wire.messages import (
     ACTOR,
     IPC,
@@ -94,6 +95,19 @@ def register_sources(sources: dict[str, list[str]] | None) -> None:
 _NOTHING = object()
 FAST_S = 0.0002  # seconds: an endpoint this quick may have its reply batched
 MAX_HELD = 64  # replies in one batch, at most
+
+
+def _batching() -> bool:
+    """``MONARCH_BATCHING`` (checked when the mesh was spawned: a bad value here
+    leaves batching on)."""
+    try:
+        return batching_enabled()
+    except ValueError:
+        return True
+
+
+#: replies may leave several to a message (MONARCH_BATCHING; read at import)
+BATCHING = _batching()
 HOLD_S = 0.001  # seconds a reply may wait for its batch, at most
 
 
@@ -200,7 +214,7 @@ class _ActorInstance:
         is never held behind a call expected to be slow), at most MAX_HELD
         replies and HOLD_S seconds.
         """
-        if len(self._held) >= MAX_HELD or (
+        if not BATCHING or len(self._held) >= MAX_HELD or (
                 self._held and time.perf_counter() - self._held_at > HOLD_S):
             return False
         if self._ahead is _NOTHING:
@@ -235,7 +249,7 @@ class _ActorInstance:
         return bool(self._held)
 
     def _run_maybe_async(self, value: Any) -> Any:
-        if asyncio.iscoroutine(value):
+        if value is not None and asyncio.iscoroutine(value):  # (None: most endpoints')
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
                 asyncio.set_event_loop(self.loop)

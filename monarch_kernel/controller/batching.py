@@ -19,6 +19,10 @@ small segments while earlier ones are unacknowledged in the same spirit.
 
 The worker hands each call of a ``calls`` message to its actor in order,
 exactly as if they had come one by one.
+
+``MONARCH_BATCHING=0`` (:func:`~monarch_kernel.util.switches.batching_enabled`)
+turns batching off, here and for the workers' replies: every call and reply
+is then a message of its own.
 """
 
 from __future__ import annotations
@@ -96,9 +100,11 @@ class Batches:
         return [r for r, t in self._since.items() if now - t >= HOLD_S]
 
 
-def may_hold(type: str, ranks: list[int], content: Any, pending: int) -> bool:
-    """Whether a request may wait in a batch (see the module docstring)."""
-    if type != "call" or len(ranks) != 1 or pending < MIN_PENDING:
+def may_hold(type: str, ranks: list[int], content: Any, pending: int,
+             enabled: bool = True) -> bool:
+    """Whether a request may wait in a batch (see the module docstring;
+    ``enabled``: the controller's ``MONARCH_BATCHING``)."""
+    if not enabled or type != "call" or len(ranks) != 1 or pending < MIN_PENDING:
         return False
     if not isinstance(content, dict) or ONEWAY in content or KEEP in content:
         return False
@@ -180,9 +186,9 @@ class Batcher:
         try:
             if len(calls) == 1:
                 mid, content = calls[0]
-                frames = host.codec.encode("call", content, id=mid)
+                frames = host.codec.encode("call", content, id=mid, to=(rank,))
             else:
-                frames = host.codec.encode("calls", calls)
+                frames = host.codec.encode("calls", calls, to=(rank,))
             host.send_to([rank], frames)
             if len(calls) > 1:
                 self.batches.calls_batched += len(calls)

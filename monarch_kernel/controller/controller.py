@@ -57,6 +57,7 @@ from monarch_kernel.errors import (
 )
 from monarch_kernel.transport.engine import Engine
 from monarch_kernel.transport.lane import prepare as lane_prepare
+from monarch_kernel.transport.lane import send_all as lanes_send_all
 from monarch_kernel.transport.sockets import (
     DOWN_MAX_MESSAGE,
     KeyGate,
@@ -74,7 +75,12 @@ from monarch_kernel.transport.sockets import (
 from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.util.flag import Flag
 from monarch_kernel.util.sigint import DeferredSigint
-from monarch_kernel.util.switches import lanes_enabled, peer_lead_enabled, sched_batch_enabled
+from monarch_kernel.util.switches import (
+    batching_enabled,
+    lanes_enabled,
+    peer_lead_enabled,
+    sched_batch_enabled,
+)
 from monarch_kernel.wire import protocol, shm
 from monarch_kernel.wire.serialize import cuda_ipc
 
@@ -130,7 +136,8 @@ class Controller:
         If the environment variable ``MONARCH_SPIN_US`` (how long, in
         microseconds, a caller looks for its reply before it sleeps; see
         :mod:`monarch_kernel.controller.io`) is not a number from 0 to 10000,
-        or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD`` or ``MONARCH_SCHED_BATCH``
+        or ``MONARCH_LANES``, ``MONARCH_PEER_LEAD``, ``MONARCH_SCHED_BATCH`` or
+        ``MONARCH_BATCHING``
         (:mod:`monarch_kernel.util.switches`) is not 0 or 1, or
         ``MONARCH_MAX_MESSAGE_BYTES`` is not a number of bytes of at least 1 MiB.
     """
@@ -148,6 +155,8 @@ class Controller:
         self.use_lanes = lanes_enabled()
         peer_lead_enabled()  # (refused now, if set wrong: the workers read them)
         sched_batch_enabled()
+        #: pipelined calls may leave several to a message (MONARCH_BATCHING)
+        self.batching = batching_enabled()
         max_message_bytes()
         self.key = key or protocol.new_key()
         self.codec = protocol.Codec(self.key, "ctl")
@@ -323,18 +332,14 @@ class Controller:
             If a rank cannot be reached.
         """
         self.engine.expect_input()  # replies may come soon: a waiting caller looks first
-        prepared = None  # the lane framing of `frames`, made once for all lanes
+        lanes = []  # the ranks on lanes get the same prepared buffers, in one loop
+        lane_of, infos = self.lane_of, self.ranks
         for r in ranks:
-            info = self.ranks.get(r)
+            info = infos.get(r)
             if info is not None and info.identity:  # else not connected yet: nowhere to send
-                lane = self.lane_of.get(r)
+                lane = lane_of.get(r)
                 if lane is not None:
-                    if prepared is None:
-                        prepared = lane_prepare(frames)
-                    try:
-                        lane.send_prepared(prepared)
-                    except TransportError as e:  # its process is gone
-                        raise TransportError(f"cannot send to rank {r}: {e}") from e
+                    lanes.append(lane)
                 elif info.down:
                     # just after its hello, a rank's second connection may not be
                     # attached yet: wait for it then (never on the I/O thread, never
@@ -346,6 +351,12 @@ class Controller:
                         raise TransportError(f"cannot send to rank {r}: it is not connected")
                 else:
                     self.outbox.send([info.identity, *frames])
+        if lanes:
+            failed = lanes_send_all(lanes, lane_prepare(frames))
+            if failed is not None:  # its process is gone
+                lane, e = failed
+                rank = next((r for r, ln in lane_of.items() if ln is lane), "?")
+                raise TransportError(f"cannot send to rank {rank}: {e}") from e
 
     def send_down(self, ident: bytes, frames: list[Any], retry: float = 2.0) -> bool:
         """Send on the second socket; a worker whose second connection is not
@@ -391,13 +402,13 @@ class Controller:
         if starting:  # being restarted: wait for it rather than send into the void
             self.wait_ready(starting, self.restart_timeout)
         mid = self.codec.new_id()
-        if batching.may_hold(type, ranks, content, len(self.pending)):
+        if batching.may_hold(type, ranks, content, len(self.pending), self.batching):
             return self.batcher.held_request(mid, ranks[0], content)
         local = all(r in self.local_ranks for r in ranks)
         names: list[str] = []
         with cuda_ipc(local and len(ranks) == 1):  # one process on this host
             frames = self.codec.encode(type, content, id=mid, shm="sender" if local else None,
-                                       shm_out=names)
+                                       shm_out=names, to=ranks)
         req = Request(mid, ranks, request_label(type, content))
         req.waiter = self.wait_for
         if req.label:
@@ -454,7 +465,7 @@ class Controller:
                  not in ("dead", "stopped")]
         if ranks and not self.stopping:
             try:
-                self._send(ranks, self.codec.encode(type, content))
+                self._send(ranks, self.codec.encode(type, content, to=ranks))
             except TransportError as e:  # one-way: a rank that went away misses it
                 log.debug("a one-way %r message was not delivered: %s", type, e)
 
@@ -766,7 +777,7 @@ class Controller:
                 elif req.failure is not None:
                     self._retire_if_settled(req)
             if info.state == "busy" and not any(
-                rank in q.ranks and rank not in q.replies for q in self.pending.values()
+                rank in q.rankset and rank not in q.replies for q in self.pending.values()
             ):
                 info.state = "idle"
         if finished is not None:

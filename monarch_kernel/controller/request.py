@@ -139,6 +139,8 @@ class Request:
     def __init__(self, id: str, ranks: Iterable[int], label: str = "") -> None:
         self.id = id
         self.ranks = list(ranks)
+        #: the ranks, as a set (membership: a reply per rank is checked against it)
+        self.rankset = frozenset(self.ranks)
         self.label = label
         self.sent_at = time.monotonic()
         self.reply_at: dict[int, float] = {}
@@ -229,7 +231,7 @@ class Request:
             return None
 
     def _reply_pending(self, rank: int) -> bool:
-        return rank in self.ranks and rank not in self.replies
+        return rank in self.rankset and rank not in self.replies
 
     def _fail(self, failure: MeshFailure) -> None:
         if self.failure is None:

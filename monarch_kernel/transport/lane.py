@@ -49,7 +49,7 @@ from monarch_kernel.errors import ProtocolError, TransportError
 from monarch_kernel.transport.sockets import max_message_bytes
 from monarch_kernel.util.sigint import DeferredSigint
 
-__all__ = ["Lane", "pair", "prepare", "set_buffers"]
+__all__ = ["Lane", "pair", "prepare", "send_all", "set_buffers"]
 
 _COUNT = struct.Struct("<I")
 #: structs of frame lengths, by (prefix, number of frames): "<I" for a message's
@@ -181,10 +181,15 @@ class Lane:
     def send_prepared(self, prepared: tuple[list[Any], int]) -> None:
         """Send a message made by :func:`prepare` (one message sent on several
         lanes, a broadcast, is prepared once). Raises as :meth:`send`."""
-        parts, total = prepared
         # a KeyboardInterrupt between a partial write and queueing the rest would
         # leave half a message on the stream: Ctrl-C waits until this is done
-        with DeferredSigint(), self._lock:
+        with DeferredSigint():
+            self._send_now(prepared)
+
+    def _send_now(self, prepared: tuple[list[Any], int]) -> None:
+        """:meth:`send_prepared` with SIGINT deferred by the caller."""
+        parts, total = prepared
+        with self._lock:
             if self._closed:
                 raise TransportError(
                     f"{self.name} is closed" if self._pid == os.getpid() else
@@ -413,6 +418,28 @@ def _after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
+
+
+def send_all(lanes: list[Lane], prepared: tuple[list[Any], int]
+             ) -> tuple[Lane, TransportError] | None:
+    """Send one message made by :func:`prepare` on each of ``lanes`` (a
+    broadcast: the same buffers are written to every lane, nothing is copied
+    or framed again per lane), Ctrl-C deferred once for all of them.
+
+    Returns
+    -------
+    (Lane, TransportError) or None
+        None when every lane took the message; else the first lane that could
+        not (closed, or its other end gone) and why, after which nothing more
+        was sent.
+    """
+    with DeferredSigint():
+        for lane in lanes:
+            try:
+                lane._send_now(prepared)
+            except TransportError as e:
+                return lane, e
+    return None
 
 
 def prepare(frames: list[Any]) -> tuple[list[Any], int]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["lanes_enabled", "peer_lead_enabled", "sched_batch_enabled", "zero_or_one",
-           "zygote_enabled"]
+__all__ = ["batching_enabled", "lanes_enabled", "peer_lead_enabled", "sched_batch_enabled",
+           "zero_or_one", "zygote_enabled"]
 
 
 def zero_or_one(environ: Mapping[str, str], name: str, off: str, on: str) -> bool:
@@ -91,3 +91,18 @@ def zygote_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """
     return zero_or_one(environ, "MONARCH_ZYGOTE", "each worker starts a new Python",
                        "workers are forked from a template process")
+
+
+def batching_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether pipelined calls and their replies may travel several to a message
+    (``MONARCH_BATCHING``: the controller's request batching,
+    :mod:`monarch_kernel.controller.batching`, and a worker's reply batching,
+    :mod:`monarch_kernel.actor.host`).
+
+    Raises
+    ------
+    ValueError
+        If ``MONARCH_BATCHING`` is set to something other than 0 or 1.
+    """
+    return zero_or_one(environ, "MONARCH_BATCHING", "every call and reply is a message of its own",
+                       "calls and replies may share a message")

@@ -5,7 +5,7 @@ same frames, :mod:`monarch_kernel.transport.lane`; after any ROUTER identity fra
 one envelope frame and zero or more buffer frames::
 
     frame 0   envelope:
-                bytes 0-3     b"MK/3"     magic and protocol version
+                bytes 0-3     b"MK/4"     magic and protocol version
                 bytes 4-35    signature   HMAC-SHA256 (raw 32 bytes), keyed with
                                           the mesh's random key, over bytes 36..
                                           of this frame, then every buffer frame
@@ -22,10 +22,14 @@ one envelope frame and zero or more buffer frames::
                                 u8   parent id length P (255: no parent)
                                 u16  number of buffer frames N
                                 u16  number of shared-memory descriptors D
+                                u16  number of addressee ranges R (0: the
+                                      message names no addressees)
                                 S + I + P bytes: sender, id, parent
                                 N x u64: the length of each buffer frame
                                 D x u16: indices of buffers that are shared-
                                       memory descriptors
+                                R x (u32, u32): the ranks it is addressed
+                                      to, as [first, stop) ranges
                 then          payload     pickle protocol 5 (cloudpickle) bytes
     frame 1+  buffers                     out-of-band pickle buffers (raw bytes
                                           of arrays and tensors), zero-copy
@@ -49,6 +53,32 @@ is parsed or anything is unpickled, exactly as ``jupyter_client.session``
 does for the Jupyter wire protocol. Size limits (header and buffers) and the
 magic are checked before hashing, so a message that is not ours costs a few
 comparisons, and a wrongly signed one one HMAC of at most the size limits.
+
+One message for many ranks
+--------------------------
+A request to several ranks (a broadcast) is pickled, framed and signed
+once: every rank receives the same bytes, one sequence number of the
+controller's stream. What makes that safe is that the signed header names
+its addressees (R ranges of ranks, written by ``encode(..., to=ranks)``;
+the controller addresses every request, one-way message and batch of calls
+it sends to ranks). A rank's codec (sender ``"r<rank>"``) verifies, in this
+order: the magic and size limits; the HMAC over the whole envelope and
+every buffer (so the addressee ranges, the epoch and the sequence number
+are exactly what the controller signed); that the message names its own
+rank among the addressees when it names any (else it is refused as "not
+addressed", before its sequence number is taken, so a copy of it cannot use
+up the number either); then its stream window (below). So:
+
+* a replay to a rank the message was addressed to is refused by that rank's
+  window (it accepted the number before, or refuses it as too old);
+* a message meant for other ranks (a broadcast to a subset, a call to one
+  rank) copied to a rank outside its addressees is refused by the addressee
+  check, although that rank never saw its sequence number (a window alone
+  would accept a number it never saw);
+* a message cannot be re-addressed: the ranges are under the signature.
+
+Messages that name no addressees (heartbeats, and everything workers send)
+are accepted by any receiver of the mesh's key, subject to its window.
 
 Replays
 -------
@@ -89,10 +119,11 @@ from monarch_kernel.wire import shm as _shm
 log = logging.getLogger("monarch_kernel.wire.protocol")
 
 __all__ = ["MAGIC", "REORDER_LIMIT", "STREAMS_ENV", "TYPES", "VERSION", "Codec", "Message",
-           "Window", "format_streams", "new_epoch", "new_key", "parse_streams", "refused"]
+           "Window", "addressed_to", "format_streams", "new_epoch", "new_key", "parse_streams",
+           "rank_ranges", "refused"]
 
-MAGIC = b"MK/3"
-VERSION = 3
+MAGIC = b"MK/4"
+VERSION = 4
 _SIG = slice(4, 36)  # where the signature sits in the envelope frame
 _ENV = struct.Struct("<QQI")  # epoch, sequence number, header length (bytes 36-55)
 _HEAD = 36 + _ENV.size  # where the header starts
@@ -109,7 +140,8 @@ TYPE_CODES: tuple[str, ...] = (
 #: every message type (:mod:`monarch_kernel.wire.messages` gives the content of each)
 TYPES = frozenset(TYPE_CODES)
 _CODE = {t: i for i, t in enumerate(TYPE_CODES)}
-_FIXED = struct.Struct("<BBBBHH")  # type, sender, id, parent lengths, buffers, shm
+_FIXED = struct.Struct("<BBBBHHH")  # type, sender, id, parent lengths, buffers, shm, ranges
+_RANGE = struct.Struct("<II")  # one addressee range: first rank, stop
 _NO_PARENT = 255
 
 DEFAULT_MAX_HEADER = 64 * 1024 * 1024  # bytes
@@ -120,6 +152,40 @@ REORDER_LIMIT = 2048
 #: streams of senders with no expected epoch that a codec keeps at most (the
 #: oldest is forgotten first)
 MAX_STREAMS = 4096
+
+
+def rank_ranges(ranks: Any) -> tuple[tuple[int, int], ...]:
+    """``ranks`` (any iterable of ints) as sorted, disjoint ``[first, stop)``
+    ranges: what a message's header names as its addressees (``[0, 1, 2, 5]``
+    gives ``((0, 3), (5, 6))``).
+
+    Raises
+    ------
+    ValueError
+        If a rank is negative or beyond 32 bits.
+    """
+    out: list[tuple[int, int]] = []
+    first = stop = -1
+    for r in sorted(set(ranks)):
+        if not 0 <= r < 1 << 32:
+            raise ValueError(f"a rank is an integer from 0 to 2**32-1, not {r!r}")
+        if r == stop:
+            stop += 1
+            continue
+        if first >= 0:
+            out.append((first, stop))
+        first, stop = r, r + 1
+    if first >= 0:
+        out.append((first, stop))
+    return tuple(out)
+
+
+def addressed_to(ranges: tuple[tuple[int, int], ...], rank: int) -> bool:
+    """Whether ``rank`` is in the addressee ``ranges`` of :func:`rank_ranges`."""
+    for first, stop in ranges:  # noqa: SIM110 - a loop: cheaper than any() of a generator
+        if first <= rank < stop:
+            return True
+    return False
 
 
 def new_key() -> bytes:
@@ -250,6 +316,9 @@ class Message:
         Names of the sender's pooled shared-memory files whose bytes this
         message carries: copied out when ``content`` is decoded, after which
         the sender may reuse them (it is told with ``shm_done``).
+    to : tuple of (int, int)
+        The ranks the message is addressed to, as ``[first, stop)`` ranges
+        (:func:`rank_ranges`); empty when it names none.
     """
 
     type: str
@@ -260,6 +329,7 @@ class Message:
     identity: list[bytes] = field(default_factory=list)
     _buffers: list[Any] | None = field(default_factory=list, repr=False)
     pooled: list[str] = field(default_factory=list)
+    to: tuple[tuple[int, int], ...] = ()
     _decoded: bool = field(default=False, repr=False)
     _content: Any = field(default=None, repr=False)
 
@@ -330,6 +400,10 @@ class Codec:
         self.key = key
         self.fingerprint = hashlib.sha256(b"monarch-mesh:" + key).hexdigest()[:16]
         self.sender = sender
+        #: the rank this codec receives for ("r<rank>" senders); None for the controller.
+        #: A message that names addressees without it is refused (module docstring)
+        self.rank: int | None = (int(sender[1:]) if sender[:1] == "r" and sender[1:].isdigit()
+                                 else None)
         self.max_header = max_header
         self.max_buffers = max_buffers
         self._prefix = f"{sender}.{os.getpid()}.{secrets.token_hex(4)}."
@@ -344,6 +418,7 @@ class Codec:
         self._expected: dict[str, tuple[int, int]] = {}  # sender -> (epoch, floor)
         #: reusable shared-memory files for requests to this host (set by owners)
         self.pool: _shm.Pool | None = None
+        self._ranges_of: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
 
     def release_shm(self, names: list[str], discard: bool = False) -> None:
         """Give back shared-memory files of a finished request.
@@ -464,6 +539,7 @@ class Codec:
         id: str | None = None,
         shm: str | None = None,
         shm_out: list[str] | None = None,
+        to: Any = (),
     ) -> list[Any]:
         """Build the frames of one message.
 
@@ -482,6 +558,9 @@ class Codec:
             :meth:`release_shm` once the receivers answered). ``"reply"``:
             pooled files that the receiver reports copied (``shm_done``),
             else fresh files that the receiver removes.
+        to : iterable of int, optional
+            The ranks this message is addressed to (the header names them,
+            signed; a rank outside them refuses it). Empty: it names none.
 
         Returns
         -------
@@ -526,8 +605,21 @@ class Codec:
                     buffers[i] = sb.descriptor(mode)
                 sh = [i for i in big if not isinstance(buffers[i], memoryview)]
         lengths = [len(b) if isinstance(b, bytes) else b.nbytes for b in buffers]
-        header = pack_header(type, id or self.new_id(), parent, self.sender, lengths, sh)
+        header = pack_header(type, id or self.new_id(), parent, self.sender, lengths, sh,
+                             self._ranges(to) if to else ())
         return self.seal(header, payload, buffers)
+
+    def _ranges(self, to: Any) -> tuple[tuple[int, int], ...]:
+        """:func:`rank_ranges` of ``to``, kept for the last few rank sets (a
+        mesh's broadcasts go to the same ranks time after time)."""
+        key = tuple(to)
+        ranges = self._ranges_of.get(key)
+        if ranges is None:
+            ranges = rank_ranges(key)
+            if len(self._ranges_of) >= 64:
+                self._ranges_of.clear()
+            self._ranges_of[key] = ranges
+        return ranges
 
     def decode(self, frames: list[Any], router: bool = False, lazy: bool = False,
                identity: list[bytes] | None = None) -> Message:
@@ -549,8 +641,10 @@ class Codec:
         ------
         ProtocolError
             For a missing magic, a bad or missing signature, a replayed id,
-            an oversized or malformed message, or a payload that does not
-            unpickle. Nothing is unpickled before the signature is checked.
+            a message addressed to other ranks than this codec's (``reason``
+            "not addressed"), an oversized or malformed message, or a payload
+            that does not unpickle. Nothing is unpickled before the signature
+            is checked.
         """
         views = [memoryview(f) if type(f) in _PLAIN else _view(f) for f in frames]
         if router:
@@ -588,7 +682,10 @@ class Codec:
             raise refused("malformed",
                           f"malformed message header: length {hlen} beyond the frame")
         header_b, payload = env[_HEAD:_HEAD + hlen], env[_HEAD + hlen:]
-        mtype, mid, parent, sender, lengths, sh = _parse_header(bytes(header_b))
+        mtype, mid, parent, sender, lengths, sh, to = _parse_header(bytes(header_b), True)
+        if to and self.rank is not None and not addressed_to(to, self.rank):
+            raise refused("not addressed", f"a message of {sender!r} addressed to other ranks "
+                          f"than {self.rank} (a copy of another rank's message)")
         if (lengths or buffers) and (len(lengths) != len(buffers) or any(
                 n != b.nbytes for n, b in zip(lengths, buffers, strict=True))):
             raise refused("malformed",
@@ -614,7 +711,7 @@ class Codec:
             for i, (name, size, mode) in zip(sh, described, strict=True):
                 buffers[i] = _ShmFrame(name, size, mode)
         msg = Message(mtype, mid, parent, sender, payload, identity, buffers,
-                      [d[0] for d in described if d[2] == "p"] if sh else [])
+                      [d[0] for d in described if d[2] == "p"] if sh else [], to)
         if not lazy:
             msg.content  # noqa: B018 - decode now, raising ProtocolError here
         return msg
@@ -644,17 +741,18 @@ def _hmac_new(key: bytes) -> Any:
 
 
 def pack_header(type: str | int, id: str, parent: str | None, sender: str,
-                lengths: list[int] | tuple = (), sh: list[int] | tuple = ()) -> bytes:
+                lengths: list[int] | tuple = (), sh: list[int] | tuple = (),
+                to: tuple[tuple[int, int], ...] = ()) -> bytes:
     """The header bytes of a message (see the module docstring).
 
     ``type`` is a name from :data:`TYPES` or a raw code (tests sign
-    malformed headers with it).
+    malformed headers with it); ``to``: addressee ranges (:func:`rank_ranges`).
 
     Raises
     ------
     ValueError
-        If a name is not ASCII or longer than 254 bytes, or ``type`` is
-        unknown.
+        If a name is not ASCII or longer than 254 bytes, ``type`` is
+        unknown, or ``to`` holds more than 65535 ranges.
     """
     if isinstance(type, str):
         if type not in _CODE:
@@ -667,27 +765,32 @@ def pack_header(type: str | int, id: str, parent: str | None, sender: str,
     ls, li, lp = len(s), len(i), len(p)
     if ls >= _NO_PARENT or li >= _NO_PARENT or lp >= _NO_PARENT:
         raise ValueError("a sender, id or parent of 255 bytes or more")
+    if len(to) > 0xFFFF:
+        raise ValueError(f"a message names at most 65535 ranges of addressees, not {len(to)}")
     fixed = _FIXED.pack(code, ls, li, _NO_PARENT if parent is None else lp,
-                        len(lengths), len(sh))
-    if not lengths and not sh:  # a control message (the common case)
+                        len(lengths), len(sh), len(to))
+    if not lengths and not sh and not to:  # a reply or a heartbeat (the common case)
         return b"".join((fixed, s, i, p))
     return b"".join((
         fixed, s, i, p,
         struct.pack(f"<{len(lengths)}Q", *lengths),
         struct.pack(f"<{len(sh)}H", *sh),
+        *(_RANGE.pack(a, b) for a, b in to),
     ))
 
 
-def _parse_header(h: bytes) -> tuple[str, str, str | None, str, tuple, tuple]:
-    """(type, id, parent, sender, buffer lengths, shm indices) of header bytes."""
+def _parse_header(h: bytes, with_to: bool = False) -> Any:
+    """(type, id, parent, sender, buffer lengths, shm indices) of header bytes,
+    and (``with_to``) the addressee ranges last."""
     if len(h) < _FIXED.size:
         raise refused("malformed", f"malformed message header: {len(h)} bytes")
-    code, ls, li, lp, nb, nsh = _FIXED.unpack_from(h)
+    code, ls, li, lp, nb, nsh, nto = _FIXED.unpack_from(h)
     plen = 0 if lp == _NO_PARENT else lp
     off = _FIXED.size + ls + li + plen
-    if off + 8 * nb + 2 * nsh != len(h):
+    need = off + 8 * nb + 2 * nsh + _RANGE.size * nto
+    if need != len(h):
         raise refused("malformed", f"malformed message header: {len(h)} bytes, its fields "
-                      f"need {off + 8 * nb + 2 * nsh}")
+                      f"need {need}")
     if code >= len(TYPE_CODES):
         raise refused("malformed", f"malformed message header: unknown type code {code}")
     try:
@@ -697,11 +800,25 @@ def _parse_header(h: bytes) -> tuple[str, str, str | None, str, tuple, tuple]:
         parent = None if lp == _NO_PARENT else h[o + ls + li:off].decode("ascii")
     except UnicodeDecodeError:
         raise refused("malformed", "malformed message header: a name that is not ASCII") from None
-    if not nb and not nsh:  # a control message (the common case)
-        return TYPE_CODES[code], mid, parent, sender, (), ()
-    lengths = struct.unpack_from(f"<{nb}Q", h, off)
-    sh = struct.unpack_from(f"<{nsh}H", h, off + 8 * nb)
-    return TYPE_CODES[code], mid, parent, sender, lengths, sh
+    if nb or nsh:
+        lengths = struct.unpack_from(f"<{nb}Q", h, off)
+        sh = struct.unpack_from(f"<{nsh}H", h, off + 8 * nb)
+    else:  # a control message (the common case)
+        lengths = sh = ()
+    if not with_to:
+        return TYPE_CODES[code], mid, parent, sender, lengths, sh
+    to: tuple = ()
+    if nto:
+        at = off + 8 * nb + 2 * nsh
+        if nto == 1:  # (one range: a request to one rank, or to a whole mesh)
+            to = (_RANGE.unpack_from(h, at),)
+        else:
+            to = tuple(_RANGE.unpack_from(h, at + 8 * k) for k in range(nto))
+        for a, b in to:
+            if a >= b:
+                raise refused("malformed",
+                              "malformed message header: an empty range of addressees")
+    return TYPE_CODES[code], mid, parent, sender, lengths, sh, to
 
 
 #: frame types memoryview() takes as they are (no zmq.Frame ``buffer`` to look up)

@@ -211,6 +211,21 @@ def test_call_returns_a_value_mesh(counters):
     assert "ValueMesh" in repr(vm) and "<table>" in vm._repr_html_()
 
 
+def test_a_broadcast_to_part_of_the_mesh_runs_there_only(counters):
+    """One message for ranks 1-2 (signed once, naming them): the others never run it,
+    the values come back in rank order, each from its own rank."""
+    part = counters.slice(procs=slice(1, 3))
+    assert part.incr.call(5).get(timeout=30).values() == [5, 5]
+    assert counters.incr.call(0).get(timeout=30).values() == [0, 5, 5, 0]
+    fut = counters.countdown.call(0.05)  # the last rank answers first
+    assert fut.get(timeout=30).values() == [0, 1, 2, 3]
+    with pytest.raises(ValueError) as ei:  # each rank's own error, named by rank
+        part.fail.call("value").get(timeout=30)
+    errs = [ei.value, *ei.value.others]
+    assert sorted(r for e in errs for r in e.ranks) == [1, 2]
+    assert sorted(str(e).split("bad value on rank ")[1][:1] for e in errs) == ["1", "2"]
+
+
 def test_shape_and_slicing(counters):
     assert len(counters) == 4 and counters.sizes == {"hosts": 1, "procs": 4}
     assert counters.shape.ranks == [0, 1, 2, 3]

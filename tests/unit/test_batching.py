@@ -291,3 +291,21 @@ def test_a_rank_that_dies_while_a_request_is_made_fails_it():
         assert ctl.ranks[0].state == "dead"
     finally:
         pm.stop()
+
+
+def test_batching_switched_off_sends_every_call_alone(monkeypatch):
+    """MONARCH_BATCHING=0: no call waits for a batch, and the calls still run in order."""
+    monkeypatch.setenv("MONARCH_BATCHING", "0")
+    pm = spawn_procs(1)
+    try:
+        one = pm.spawn("log", Log).slice(procs=0)
+        assert pm.controller.batching is False
+        futures = [one.record.call_one(i) for i in range(300)]
+        assert [f.get(timeout=30) for f in futures] == [None] * 300
+        assert one.history.call_one().get(timeout=30) == list(range(300))
+        assert pm.controller.batches.calls_batched == 0
+    finally:
+        pm.stop()
+    monkeypatch.setenv("MONARCH_BATCHING", "2")
+    with pytest.raises(ValueError, match="MONARCH_BATCHING"):
+        spawn_procs(1)

@@ -63,7 +63,7 @@ FLOODER = textwrap.dedent('''
     end = start + seconds
     while n < least or time.monotonic() < end:
         for _ in range(500):
-            d.send(b"MK/3" + os.urandom(48) + (40).to_bytes(4, "little") + os.urandom(44))
+            d.send(b"MK/4" + os.urandom(48) + (40).to_bytes(4, "little") + os.urandom(44))
         n += 500
         ahead = n / rate - (time.monotonic() - start)
         if ahead > 0:

@@ -78,22 +78,25 @@ def test_frames_with_the_magic_give_a_protocol_error(identity, tail, rest, route
 def _reference_parse(h: bytes) -> dict | None:
     """The fields of header bytes, read independently of protocol.py from the
     documented layout; None for anything that is not a well-formed header."""
-    if len(h) < 8:
+    if len(h) < 10:
         return None
-    code, ls, li, lp, nb, nsh = struct.unpack_from("<BBBBHH", h)
+    code, ls, li, lp, nb, nsh, nto = struct.unpack_from("<BBBBHHH", h)
     plen = 0 if lp == 255 else lp
-    o = 8 + ls + li + plen
-    if code >= len(protocol.TYPE_CODES) or o + 8 * nb + 2 * nsh != len(h):
+    o = 10 + ls + li + plen
+    if code >= len(protocol.TYPE_CODES) or o + 8 * nb + 2 * nsh + 8 * nto != len(h):
         return None
     try:
-        sender = h[8:8 + ls].decode("ascii")
-        mid = h[8 + ls:8 + ls + li].decode("ascii")
-        parent = None if lp == 255 else h[8 + ls + li:o].decode("ascii")
+        sender = h[10:10 + ls].decode("ascii")
+        mid = h[10 + ls:10 + ls + li].decode("ascii")
+        parent = None if lp == 255 else h[10 + ls + li:o].decode("ascii")
     except UnicodeDecodeError:
+        return None
+    to = [struct.unpack_from("<II", h, o + 8 * nb + 2 * nsh + 8 * k) for k in range(nto)]
+    if any(a >= b for a, b in to):  # an empty range of addressees
         return None
     return {"t": protocol.TYPE_CODES[code], "id": mid, "p": parent, "s": sender,
             "bl": list(struct.unpack_from(f"<{nb}Q", h, o)),
-            "sh": list(struct.unpack_from(f"<{nsh}H", h, o + 8 * nb))}
+            "sh": list(struct.unpack_from(f"<{nsh}H", h, o + 8 * nb)), "to": to}
 
 
 names = st.text(st.characters(max_codepoint=127), max_size=12).map(str.encode)
@@ -119,14 +122,19 @@ def headers(draw, lengths=None):
         st.lists(st.integers(0, 60) | st.integers(0, (1 << 64) - 1), max_size=4))
     sh = draw(st.just([]) | st.lists(st.integers(0, 4) | st.integers(0, (1 << 16) - 1),
                                      max_size=3))
+    # addressee ranges (the receiver here is the controller's codec: it takes any)
+    to = draw(st.just([]) | st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9))
+                                     | st.tuples(st.integers(0, (1 << 32) - 1),
+                                                 st.integers(0, (1 << 32) - 1)), max_size=3))
     declared = [code, len(sender), len(mid), 255 if parent is None else len(parent),
-                len(bl), len(sh)]
+                len(bl), len(sh), len(to)]
     lied = draw(st.integers(0, 2)) == 2
     if lied:  # one declared length or count that does not match
-        i = draw(st.integers(1, 5), label="lie")
+        i = draw(st.integers(1, 6), label="lie")
         declared[i] = draw(st.integers(0, 255 if i < 4 else (1 << 16) - 1), label="value")
-    h = b"".join((struct.pack("<BBBBHH", *declared), sender, mid, parent or b"",
-                  struct.pack(f"<{len(bl)}Q", *bl), struct.pack(f"<{len(sh)}H", *sh)))
+    h = b"".join((struct.pack("<BBBBHHH", *declared), sender, mid, parent or b"",
+                  struct.pack(f"<{len(bl)}Q", *bl), struct.pack(f"<{len(sh)}H", *sh),
+                  *(struct.pack("<II", a, b) for a, b in to)))
     cut = draw(st.sampled_from(["none", "none", "none", "cut", "extend"]))
     if cut == "cut" and h:
         h = h[:draw(st.integers(0, len(h) - 1), label="keep")]
@@ -137,9 +145,12 @@ def headers(draw, lengths=None):
         try:
             intended = {"t": protocol.TYPE_CODES[code], "id": mid.decode("ascii"),
                         "p": None if parent is None else parent.decode("ascii"),
-                        "s": sender.decode("ascii"), "bl": bl, "sh": sh}
+                        "s": sender.decode("ascii"), "bl": bl, "sh": sh,
+                        "to": [tuple(r) for r in to]}
         except UnicodeDecodeError:
             pass
+        if any(a >= b for a, b in to):  # an empty range: not well-formed
+            intended = None
     return h, intended
 
 
@@ -156,6 +167,7 @@ def _check_against_reference(msg: protocol.Message | None, h: bytes, intended: d
         assert (msg.type, msg.id, msg.parent, msg.sender) == (ref["t"], ref["id"], ref["p"],
                                                               ref["s"])
         assert ref["bl"] == [len(b) for b in bufs]
+        assert list(msg.to) == ref["to"]
         assert msg.type in protocol.TYPES
 
 
@@ -223,13 +235,15 @@ def test_signed_shared_memory_descriptors_never_raise_anything_else(descs, data,
         return
 
 
-def _declared(code=0, ls=3, li=1, lp=255, nb=0, nsh=0, rest=b"ctlx") -> bytes:
-    return struct.pack("<BBBBHH", code, ls, li, lp, nb, nsh) + rest
+def _declared(code=0, ls=3, li=1, lp=255, nb=0, nsh=0, rest=b"ctlx", nto=0) -> bytes:
+    return struct.pack("<BBBBHHH", code, ls, li, lp, nb, nsh, nto) + rest
 
 
 @pytest.mark.parametrize("h", [
-    _declared(nb=65535),  # 65535 buffer lengths (512 KiB) in a 12-byte header
+    _declared(nb=65535),  # 65535 buffer lengths (512 KiB) in a 14-byte header
     _declared(nsh=65535),
+    _declared(nto=65535),  # 65535 addressee ranges that are not there
+    _declared(nto=1, rest=b"ctlx" + bytes(8)),  # an empty range [0, 0)
     _declared(nb=65535, nsh=65535, rest=b"ctlx" + bytes(8 * 1000)),
     _declared(ls=254, li=254, lp=254),
     _declared(ls=200),

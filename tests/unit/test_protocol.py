@@ -33,10 +33,10 @@ def split(envelope) -> tuple[bytes, bytes, bytes]:
 
 def fields(header: bytes) -> dict:
     """The fields of binary header bytes, read by hand from the documented layout
-    (struct "<BBBBHH", sender, id, parent, N x u64, D x u16), and checked
-    against protocol._parse_header."""
-    code, ls, li, lp, nb, nsh = struct.unpack_from("<BBBBHH", header)
-    o = 8
+    (struct "<BBBBHHH", sender, id, parent, N x u64, D x u16, R x (u32, u32)),
+    and checked against protocol._parse_header."""
+    code, ls, li, lp, nb, nsh, nto = struct.unpack_from("<BBBBHHH", header)
+    o = 10
     sender = header[o:o + ls].decode("ascii")
     mid = header[o + ls:o + ls + li].decode("ascii")
     o += ls + li
@@ -46,12 +46,14 @@ def fields(header: bytes) -> dict:
         o += lp
     bl = list(struct.unpack_from(f"<{nb}Q", header, o))
     sh = list(struct.unpack_from(f"<{nsh}H", header, o + 8 * nb))
-    assert o + 8 * nb + 2 * nsh == len(header)
+    at = o + 8 * nb + 2 * nsh
+    to = [struct.unpack_from("<II", header, at + 8 * k) for k in range(nto)]
+    assert at + 8 * nto == len(header)
     head = {"t": protocol.TYPE_CODES[code], "id": mid, "p": parent, "s": sender, "nb": nb,
-            "bl": bl, "sh": sh}
-    t, i, p, s, lengths, shm = protocol._parse_header(header)
-    assert (t, i, p, s, list(lengths), list(shm)) == (
-        head["t"], head["id"], head["p"], head["s"], head["bl"], head["sh"])
+            "bl": bl, "sh": sh, "to": to}
+    t, i, p, s, lengths, shm, ranges = protocol._parse_header(header, True)
+    assert (t, i, p, s, list(lengths), list(shm), list(ranges)) == (
+        head["t"], head["id"], head["p"], head["s"], head["bl"], head["sh"], head["to"])
     return head
 
 

@@ -1,4 +1,4 @@
-"""Replay protection over a mesh's whole life (wire version 3).
+"""Replay protection over a mesh's whole life (wire version 4), and addressees.
 
 A signed message is accepted once by a receiver, ever: not again after any
 number of others (version 2 forgot an id after 65,536 others), not by a
@@ -193,12 +193,12 @@ def test_sequence_numbers_are_unique_across_threads():
         rank.decode(frames)  # none refused: every number was given once
 
 
-def test_wire_version_3_refuses_version_2():
+def test_wire_version_4_refuses_version_3():
     ctl, rank = _codecs()
     frames = [bytes(f) for f in ctl.encode("execute", {"code": "1"})]
     with pytest.raises(ProtocolError, match="magic"):
-        rank.decode([b"MK/2" + frames[0][4:]])
-    assert protocol.MAGIC == b"MK/3" and protocol.VERSION == 3
+        rank.decode([b"MK/3" + frames[0][4:]])
+    assert protocol.MAGIC == b"MK/4" and protocol.VERSION == 4
 
 
 def test_streams_environment_is_checked():
@@ -242,3 +242,61 @@ def test_drop_log_reports_a_flood_in_few_lines(caplog):
     now[0] = 100.0  # quiet for long: the next drop is told at once again
     drops.drop("replayed", "replayed message x", b"peer-3")
     assert caplog.records[-1].getMessage() == "the controller dropped a message: replayed message x"
+
+
+# ------------------------------------------------ one message for many ranks
+def _ranks(key: bytes, n: int) -> list[protocol.Codec]:
+    return [protocol.Codec(key, f"r{r}") for r in range(n)]
+
+
+def test_a_broadcast_is_one_message_every_addressed_rank_accepts_once():
+    key = protocol.new_key()
+    ctl, ranks = protocol.Codec(key, "ctl"), _ranks(key, 4)
+    frames = [bytes(f) for f in ctl.encode("call", {"m": "step"}, to=[0, 1, 2, 3])]
+    for r in ranks:  # the same bytes, signed once, for every rank
+        msg = r.decode(frames)
+        assert msg.content == {"m": "step"} and msg.to == ((0, 4),)
+    for r in ranks:  # and each accepts it once
+        with pytest.raises(ProtocolError, match="replayed"):
+            r.decode(frames)
+
+
+def test_a_message_for_some_ranks_is_refused_by_the_others():
+    key = protocol.new_key()
+    ctl, ranks = protocol.Codec(key, "ctl"), _ranks(key, 6)
+    subset = [bytes(f) for f in ctl.encode("call", {"m": "x"}, to=[1, 2, 4])]
+    later = [bytes(f) for f in ctl.encode("call", {"m": "y"}, to=range(6))]
+    for r in range(6):  # every rank took the later broadcast first: the subset's
+        ranks[r].decode(later)  # number lies below what it accepted, yet never seen
+    for r in range(6):
+        if r in (1, 2, 4):
+            assert ranks[r].decode(subset).content == {"m": "x"}
+        else:
+            with pytest.raises(ProtocolError, match="addressed to other ranks") as e:
+                ranks[r].decode(subset)
+            assert e.value.reason == "not addressed"  # type: ignore[attr-defined]
+    # refused before its number was taken: the rank still accepts numbers after it
+    assert ranks[0].decode(ctl.encode("call", {"m": "z"}, to=[0])).content == {"m": "z"}
+
+
+def test_the_addressees_are_signed():
+    key = protocol.new_key()
+    ctl, r3 = protocol.Codec(key, "ctl"), protocol.Codec(key, "r3")
+    env = bytearray(ctl.encode("call", {"m": "x"}, to=[0, 1])[0])
+    hlen = int.from_bytes(env[52:56], "little")
+    header = bytes(env[56:56 + hlen])
+    assert header.endswith((0).to_bytes(4, "little") + (2).to_bytes(4, "little"))
+    env[56 + hlen - 4:56 + hlen] = (4).to_bytes(4, "little")  # [0, 2) -> [0, 4): rank 3 too
+    with pytest.raises(ProtocolError, match="signature"):
+        r3.decode([bytes(env)])
+
+
+def test_unaddressed_messages_and_the_controller_are_unaffected():
+    key = protocol.new_key()
+    ctl, r5 = protocol.Codec(key, "ctl"), protocol.Codec(key, "r5")
+    assert r5.decode(ctl.encode("heartbeat")).type == "heartbeat"  # names no addressees
+    assert ctl.decode(r5.encode("reply", {"status": "ok", "value": 1}, parent="p")).to == ()
+    assert protocol.rank_ranges([5, 0, 1, 2, 9, 10, 2]) == ((0, 3), (5, 6), (9, 11))
+    assert protocol.rank_ranges([]) == ()
+    with pytest.raises(ValueError):
+        protocol.rank_ranges([-1])

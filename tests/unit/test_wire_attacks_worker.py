@@ -193,6 +193,25 @@ def test_wrongly_signed_message_is_dropped_before_unpickling(fake, marker):
     _attack(fake, marker, [frames], expect="bad message signature")
 
 
+def test_message_for_other_ranks_is_dropped(fake, marker):
+    """A request signed for ranks 1-3 (a broadcast to a subset, which rank 0 never
+    saw) copied to rank 0 is refused: its signed header names its addressees."""
+    for_others = fake.codec.encode("execute", {"code": _marker_code(marker)}, to=[1, 2, 3])
+    _attack(fake, marker, [for_others], expect="addressed to other ranks")
+    reply = _execute_to(fake, "rank + 1", to=[0, 1])  # one that names rank 0 runs
+    assert reply == {"status": "ok", "value": 1}
+
+
+def _execute_to(fake: FakeController, code: str, to: list[int]) -> dict:
+    frames = fake.codec.encode("execute", {"code": code}, to=to)
+    mid = fields(split(frames)[0])["id"]
+    fake.send_raw(frames)
+    while True:
+        msg = fake.recv(30)
+        if msg.parent == mid and msg.type == "reply":
+            return msg.content
+
+
 def test_tampered_message_is_dropped(fake, marker):
     frames = [bytes(f) for f in fake.codec.encode("execute", {"code": "None"})]
     assert len(frames) == 1
@@ -318,14 +337,15 @@ def test_signed_but_malformed_headers_are_dropped(fake, marker):
 
     def raw(code: int = protocol.TYPE_CODES.index("execute"), sender: bytes = b"ctl",
             mid: bytes = b"x", parent: bytes | None = None, lengths: tuple = (),
-            sh: tuple = (), declared: dict | None = None) -> bytes:
+            sh: tuple = (), declared: dict | None = None, to: tuple = ()) -> bytes:
         """A header by hand, with whatever bytes and declared lengths and counts."""
         d = {"ls": len(sender), "li": len(mid), "lp": 255 if parent is None else len(parent),
-             "nb": len(lengths), "nsh": len(sh), **(declared or {})}
-        return b"".join((struct.pack("<BBBBHH", code, d["ls"], d["li"], d["lp"], d["nb"],
-                                     d["nsh"]),
+             "nb": len(lengths), "nsh": len(sh), "nto": len(to), **(declared or {})}
+        return b"".join((struct.pack("<BBBBHHH", code, d["ls"], d["li"], d["lp"], d["nb"],
+                                     d["nsh"], d["nto"]),
                          sender, mid, parent or b"", struct.pack(f"<{len(lengths)}Q", *lengths),
-                         struct.pack(f"<{len(sh)}H", *sh)))
+                         struct.pack(f"<{len(sh)}H", *sh),
+                         *(struct.pack("<II", a, b) for a, b in to)))
 
     def beyond(header: bytes) -> list[bytes]:  # a header length past the end of the frame
         body = (fake.codec.epoch.to_bytes(8, "little") + fake.codec.mark().to_bytes(8, "little")
@@ -334,6 +354,7 @@ def test_signed_but_malformed_headers_are_dropped(fake, marker):
 
     # the controls: the hand-built header is the packed one, and it is accepted
     assert raw(mid=b"m0") == pack("execute", "m0", None, "ctl")
+    assert raw(mid=b"m0", to=((0, 2),)) == pack("execute", "m0", None, "ctl", to=((0, 2),))
     assert fields(raw(mid=b"m0", parent=b"p", lengths=(3,), sh=(0,))) == {
         "t": "execute", "id": "m0", "p": "p", "s": "ctl", "bl": [3], "sh": [0]}
     messages = [
@@ -354,6 +375,9 @@ def test_signed_but_malformed_headers_are_dropped(fake, marker):
         signed(raw(mid=b"m7d", declared={"nb": 1})),  # a buffer length that is not there
         signed(raw(mid=b"m7e", declared={"nsh": 2}, sh=(0,))),
         signed(raw(mid=b"m7f") + b"\0"),  # a byte beyond the declared fields
+        signed(raw(mid=b"m7g", declared={"nto": 1})),  # an addressee range that is not there
+        signed(raw(mid=b"m7h", to=((0, 0),))),  # an empty range of addressees
+        signed(raw(mid=b"m7i", to=((0, 2),))[:-1]),  # truncated in the ranges
         signed(pack("execute", "m8", None, "ctl")[:7]),  # truncated: not even the fixed part
         signed(pack("execute", "m8b", "p", "ctl")[:-1]),  # truncated in the names
         signed(pack("execute", "m8c", None, "ctl", (3,))[:-1], (b"abc",)),  # in the lengths
