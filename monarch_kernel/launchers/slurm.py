@@ -55,6 +55,7 @@ from monarch_kernel.launchers.slurm_cli import (
     WAITING_STATES,
     JobInfo,
     JobQuery,
+    JobTable,
     decode_exit,
     parse_scontrol_job,
     parse_squeue_columns,
@@ -213,7 +214,7 @@ class SlurmLauncher(Launcher):
                 unit.step = parts[0].split(".", 1)[-1]
                 if len(parts) > 2 and parts[2]:
                     unit.nodes = parts[2]
-                if not unit.ended:
+                if not unit.ended and not unit.detached:
                     self._guard_unit(unit)
                 return
 
@@ -239,7 +240,9 @@ class SlurmLauncher(Launcher):
             if key_file:
                 unlink_quiet(key_file)
             raise
-        self._guard_unit(unit)
+        unit.detached = spec.detached
+        if not unit.detached:
+            self._guard_unit(unit)
         with self._lock:
             for r in ranks:
                 old = self._unit_of.get(r)
@@ -282,8 +285,11 @@ class SlurmLauncher(Launcher):
     def _launch_job(self, spec: LaunchSpec, ranks: list[int], step_name: str,
                     key_file: str | None) -> SlurmUnit:
         geom = geometry(spec, ranks, self.nodes)
+        # a detached job removes its own files: no controller may be left to do it
+        cleanup = ([self.output.replace("%u", getpass.getuser()), *filter(None, [key_file])]
+                   if spec.detached else [])
         script = batch_script(spec, ranks, step_name, geom,
-                              task_script(spec, ranks, key_file, self.python))
+                              task_script(spec, ranks, key_file, self.python), cleanup)
         cmd = sbatch_command(self.job_name, self.output, geom, self.extra_args, {
             "--partition": self.partition, "--time": self.time, "--account": self.account,
             "--gpus-per-node": self.gpus_per_node})
@@ -490,6 +496,69 @@ class SlurmLauncher(Launcher):
             out[r] = Placement(r, host, pid, job)
         return out
 
+    # ------------------------------------------------------ detach, attach
+    def mesh_job(self, timeout: float = 10.0) -> str | None:
+        """The Slurm job of the ranks, as the mesh registry records it: the job
+        id of a batch job, ``JOB.STEP`` for a step in the user's allocation
+        (waiting up to ``timeout`` seconds for squeue to list the step); None
+        before :meth:`launch`, or for a step squeue never listed."""
+        units = [u for u in self.units if not u.ended] or self.units
+        if not units:
+            return None
+        unit = units[0]
+        if unit.proc is None and not unit.step_only:
+            return unit.job_id
+        deadline = time.monotonic() + timeout
+        while unit.step is None and time.monotonic() < deadline:
+            self._find_step(unit)
+            if unit.step is None:
+                time.sleep(0.2)
+        return None if unit.step is None else f"{unit.job_id}.{unit.step}"
+
+    def detach(self) -> None:
+        """Leave the job running without this controller: stop watching it, and
+        tell the guardian to cancel nothing when this process ends (the ranks
+        end themselves after their keep-alive, and the job with them)."""
+        with self._lock:
+            for unit in self.units:
+                unit.detached = True
+                self.guard.drop(unit.step_name)
+        self._closing.set()
+        self.guard.close()
+
+    def adopt(self, job: str, ranks: list[int]) -> None:
+        """Take over the ranks of running Slurm job ``job`` (attach to a detached
+        mesh): watch, signal and stop them as if :meth:`launch` had started
+        them. ``job``: a batch job id, or ``JOB.STEP`` for a step in the user's
+        allocation (then only that step is ever signalled or cancelled). The
+        job stays detached (nothing cancels it when this process ends) until
+        :meth:`stop`.
+
+        Raises
+        ------
+        ValueError
+            If ``job`` is not a job id (``123`` or ``123.4``).
+        """
+        m = re.match(r"^\s*(\d+)(?:\.(\d+))?\s*$", str(job))
+        if m is None:
+            raise ValueError(f"not a Slurm job id: {job!r}")
+        job_id, step = m.group(1), m.group(2)
+        output = (None if step else
+                  self.output.replace("%u", getpass.getuser()).replace("%j", job_id))
+        unit = SlurmUnit(job_id, list(ranks), step_name=f"adopted-{job}", output=output,
+                         step=step or "0", state="RUNNING", started=True, live=set(ranks),
+                         detached=True, step_only=step is not None)
+        with self._lock:
+            for r in ranks:
+                self._unit_of[r] = unit
+                self._exits.pop(r, None)
+            self.units.append(unit)
+        if self._watcher is None or not self._watcher.is_alive():
+            self._closing.clear()
+            self._watcher = threading.Thread(target=self._watch, name="monarch-slurm-watch",
+                                             daemon=True)
+            self._watcher.start()
+
     # ------------------------------------------------------ signals, stopping
     def signal(self, ranks: list[int], sig: int = _signal.SIGINT) -> None:
         """Send ``sig`` to the tasks of ``ranks``.
@@ -516,6 +585,8 @@ class SlurmLauncher(Launcher):
             return list({id(u): u for r in ranks if (u := self._unit_of.get(r))}.values())
 
     def _target(self, unit: SlurmUnit) -> str | None:
+        if unit.step_only:
+            return f"{unit.job_id}.{unit.step}"
         if unit.proc is None:
             return unit.job_id
         if unit.step is None:
@@ -595,6 +666,10 @@ class SlurmLauncher(Launcher):
         """True once the job (or step) is no longer listed by Slurm."""
         if unit.proc is not None:
             return unit.proc.poll() is not None
+        if unit.step_only:
+            alive = JobTable(lambda cmd, timeout=10.0: self._run(cmd, timeout=timeout)).alive(
+                f"{unit.job_id}.{unit.step}")
+            return alive is False
         info = self.query(unit.job_id)
         if info is None:
             return False

@@ -69,6 +69,11 @@ class SlurmUnit:
     next_check: float = 0.0  # when the watcher asks Slurm next
     live: set[int] = field(default_factory=set)  # ranks whose exit is still to report
     leftover_done: set[int] = field(default_factory=set)
+    #: the job outlives this controller (never cancelled when it ends)
+    detached: bool = False
+    #: a step of the user's allocation taken over by attach (no srun of ours):
+    #: signals, cancels and liveness concern the step, never the allocation
+    step_only: bool = False
 
 
 def task_script(spec: LaunchSpec, ranks: list[int], key_file: str | None,
@@ -126,16 +131,26 @@ def write_key_file(key_dir: str, key: bytes) -> str:
 
 
 def batch_script(spec: LaunchSpec, ranks: list[int], step_name: str, geometry: list[str],
-                 task: str) -> str:
-    """The batch script: one ``srun`` step named ``step_name`` whose tasks run ``task``."""
-    return (
-        "#!/bin/bash\n"
-        f"# monarch_kernel mesh {spec.shape} ranks {ranks[0]}..{ranks[-1]}; "
-        f"controller {spec.address}\n"
-        f"task={shlex.quote(task)}\n"
-        f"exec srun --job-name={shlex.quote(step_name)} {' '.join(geometry)} "
-        "--distribution=block --kill-on-bad-exit=0 --label bash -c \"$task\"\n"
-    )
+                 task: str, cleanup: Sequence[str] = ()) -> str:
+    """The batch script: one ``srun`` step named ``step_name`` whose tasks run ``task``.
+
+    ``cleanup``: files the script removes once the step ended (a detached
+    mesh's output and key files, which no controller may be left to remove);
+    ``%j`` in them stands for the job id. Without it the script ``exec``s srun.
+    """
+    srun = (f"srun --job-name={shlex.quote(step_name)} {' '.join(geometry)} "
+            "--distribution=block --kill-on-bad-exit=0 --label bash -c \"$task\"")
+    head = ("#!/bin/bash\n"
+            f"# monarch_kernel mesh {spec.shape} ranks {ranks[0]}..{ranks[-1]}; "
+            f"controller {spec.address}\n"
+            f"task={shlex.quote(task)}\n")
+    if not cleanup:
+        return head + f"exec {srun}\n"
+    files = " ".join('"$SLURM_JOB_ID"'.join(shlex.quote(p) for p in path.split("%j"))
+                     for path in cleanup)
+    # (scancel of the job ends srun with SIGTERM: the EXIT trap still removes them)
+    return head + (f"cleanup() {{ rm -f -- {files}; }}\ntrap cleanup EXIT\n"
+                   f"trap 'exit 143' TERM\n{srun}\n")
 
 
 def sbatch_command(job_name: str, output: str, geometry: list[str], extra_args: Sequence[str],
