@@ -319,3 +319,122 @@ def test_inside_an_allocation_a_stuck_step_ends_when_its_controller_is_killed(sl
                 psutil.Process(pid).kill()
         salloc.kill()
         salloc.wait(30)
+
+
+# ------------------------------------------------------------------ detached meshes
+DETACH_DRIVER = r'''
+import json, os, signal, sys
+from monarch_kernel import Actor, endpoint, spawn_procs
+from monarch_kernel.mesh import registry
+
+class Acc(Actor):
+    def __init__(self):
+        self.total = 0
+
+    @endpoint
+    def add(self, x):
+        self.total += x
+        return self.total
+
+name, keep_alive, how = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+m = spawn_procs({"hosts": 1, "procs": 2}, launcher="slurm", name=name, detach=True,
+                keep_alive=keep_alive, timeout=90)
+m.exec("import os\ncounter = 10 * rank + 1")
+acc = m.spawn("acc", Acc)
+acc.add.call(5).get(timeout=60)
+rec = registry.load(name)
+print("INFO", json.dumps({"pids": m.exec("os.getpid()").values(), "job": rec.slurm_job,
+                          "endpoints": rec.endpoints}), flush=True)
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+m.detach()
+'''
+
+
+def _spawn_detached(tmp_path, name: str, keep_alive: float, how: str) -> dict:
+    driver = tmp_path / "spawn_detached.py"
+    driver.write_text(DETACH_DRIVER)
+    cp = subprocess.run([sys.executable, str(driver), name, str(keep_alive), how],
+                        check=False, capture_output=True, text=True, timeout=240,
+                        stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    line = [ln for ln in cp.stdout.splitlines() if ln.startswith("INFO ")]
+    assert line, f"rc {cp.returncode}\n{cp.stdout}\n{cp.stderr[-3000:]}"
+    import json
+
+    info = json.loads(line[0].split(" ", 1)[1])
+    if how == "kill":
+        assert cp.returncode == -signal.SIGKILL, cp.stderr[-3000:]
+    else:
+        assert cp.returncode == 0, cp.stderr[-3000:]
+    return info
+
+
+@pytest.fixture
+def registry_dir(tmp_path, monkeypatch):
+    """A registry of this test's own (the environment variable the registry reads)."""
+    from monarch_kernel.mesh import registry
+
+    path = tmp_path / "registry"
+    monkeypatch.setenv(registry.ENV, str(path))
+    return path
+
+
+def test_a_detached_mesh_outlives_its_killed_controller_and_attach_finds_it(
+        slurm, tmp_path, registry_dir):
+    """Detach over Slurm: the controller is SIGKILLed, the job runs on; attach
+    through the registry and squeue gives the same ranks, state and actor."""
+    import monarch_kernel
+    import monarch_kernel.launchers  # noqa: F401 - registers squeue liveness for Slurm records
+    from monarch_kernel.mesh import registry
+
+    info = _spawn_detached(tmp_path, "sd-kill", 300, "kill")
+    job, pids = info["job"], info["pids"]
+    try:
+        assert all(e.startswith("tcp://") for e in info["endpoints"].values()), info
+        time.sleep(2)  # longer than a heartbeat timeout would allow a guarded mesh
+        assert job in _jobs() and all(psutil.pid_exists(p) for p in pids)
+        (row,) = [r for r in registry.list_meshes() if r.name == "sd-kill"]
+        assert (row.state, row.launcher, row.slurm_job) == ("detached", "slurm", job), row
+        assert getattr(row, "slurm_state", "RUNNING") == "RUNNING"
+        t0 = time.monotonic()
+        m = monarch_kernel.attach("sd-kill", timeout=30)
+        took = time.monotonic() - t0
+        print(f"attach to a detached 2-rank Slurm mesh took {took:.2f} s")
+        assert took < 30.0
+        try:
+            assert m.exec("os.getpid()").values() == pids
+            assert m.exec("counter").values() == [1, 11]
+            assert m.actors("acc").add.call(1).get(timeout=30).values() == [6, 6]
+            assert {p.job for p in m.launcher.placements().values()} == {f"{job}.0"}
+        finally:
+            m.stop()
+        assert _job_gone(job)
+        assert registry.load("sd-kill") is None
+        assert not any(psutil.pid_exists(p) for p in pids)
+        assert not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists()
+    finally:
+        if job in _jobs():
+            _sh("scancel", job)
+
+
+def test_keep_alive_expiry_ends_the_job_and_list_forgets_it(slurm, tmp_path, registry_dir):
+    import monarch_kernel.launchers  # noqa: F401 - registers squeue liveness for Slurm records
+    from monarch_kernel.mesh import registry
+
+    info = _spawn_detached(tmp_path, "sd-expire", 6, "detach")
+    job, pids = info["job"], info["pids"]
+    try:
+        assert job in _jobs()
+        t0 = time.monotonic()
+        wait_for(lambda: _job_gone(job), 90, what=f"job {job} ended by its keep-alive")
+        print(f"job gone {time.monotonic() - t0:.1f} s after a 6 s keep-alive began")
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 10, what="ranks gone")
+        rows = [r for r in registry.list_meshes() if r.name == "sd-expire"]
+        assert [r.state for r in rows] in ([], ["gone"])
+        assert registry.load("sd-expire") is None  # removed as the listing found it gone
+        assert not list(registry_dir.glob("*.json"))
+        wait_for(lambda: not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists(), 10,
+                 what="the job's output file removed by its own script")
+    finally:
+        if job in _jobs():
+            _sh("scancel", job)
