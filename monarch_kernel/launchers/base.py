@@ -45,10 +45,6 @@ class LaunchSpec:
         Set when workers run on the controller's host.
     telemetry_interval : float
         Seconds between a worker's telemetry samples; 0 turns telemetry off.
-    detached : bool
-        The workers outlive this controller (a detached mesh): the launcher
-        must not end them, nor cancel their job, when this process ends; they
-        end themselves after their keep-alive with no controller.
     """
 
     address: str
@@ -63,7 +59,6 @@ class LaunchSpec:
     #: the controller's CurveZMQ public key (Z85), when traffic is encrypted
     curve_server_key: bytes | None = None
     telemetry_interval: float = 1.0
-    detached: bool = False
 
     @property
     def world_size(self) -> int:
@@ -155,10 +150,6 @@ class Launcher(abc.ABC):
         if self.local:
             return "127.0.0.1"
         return primary_address()
-
-    def detach(self) -> None:  # noqa: B027 - optional hook, default: no-op
-        """Leave the workers running (a detached mesh whose controller goes):
-        stop watching them and end nothing, now or when this process ends."""
 
     @abc.abstractmethod
     def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:

@@ -39,6 +39,7 @@ import re
 import shlex
 import shutil
 import signal as _signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -170,6 +171,8 @@ class SlurmLauncher(Launcher):
         self.poll_interval = poll_interval
         self.pending_timeout = pending_timeout
         self.report = report or (lambda text: print(text, flush=True))
+        #: set by :meth:`make_detachable`: the workers outlive this controller
+        self.detach_plan: Any = None
         self.controller: Any = None
         self.units: list[SlurmUnit] = []
         self._unit_of: dict[int, SlurmUnit] = {}
@@ -240,7 +243,7 @@ class SlurmLauncher(Launcher):
             if key_file:
                 unlink_quiet(key_file)
             raise
-        unit.detached = spec.detached
+        unit.detached = self.detach_plan is not None
         if not unit.detached:
             self._guard_unit(unit)
         with self._lock:
@@ -287,9 +290,10 @@ class SlurmLauncher(Launcher):
         geom = geometry(spec, ranks, self.nodes)
         # a detached job removes its own files: no controller may be left to do it
         cleanup = ([self.output.replace("%u", getpass.getuser()), *filter(None, [key_file])]
-                   if spec.detached else [])
+                   if self.detach_plan is not None else [])
         script = batch_script(spec, ranks, step_name, geom,
-                              task_script(spec, ranks, key_file, self.python), cleanup)
+                              task_script(spec, ranks, key_file, self.python,
+                                          self._detach_env()), cleanup)
         cmd = sbatch_command(self.job_name, self.output, geom, self.extra_args, {
             "--partition": self.partition, "--time": self.time, "--account": self.account,
             "--gpus-per-node": self.gpus_per_node})
@@ -315,7 +319,8 @@ class SlurmLauncher(Launcher):
         fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out", dir=self._tmpdir)
         cmd = srun_command(job_id, step_name, geometry(spec, ranks, self.nodes),
                            self.gpus_per_node, self.extra_args,
-                           task_script(spec, ranks, key_file, self.python),
+                           task_script(spec, ranks, key_file, self.python,
+                                       self._detach_env()),
                            overlap=slurm_version() >= (20, 11))
         try:
             proc = subprocess.Popen(cmd, env=job_env(spec, key_file), stdin=subprocess.DEVNULL,
@@ -515,7 +520,25 @@ class SlurmLauncher(Launcher):
                 time.sleep(0.2)
         return None if unit.step is None else f"{unit.job_id}.{unit.step}"
 
-    def detach(self) -> None:
+    def make_detachable(self, plan: Any) -> None:
+        """Start the workers of the next :meth:`launch` detachable: they outlive
+        this controller (nothing cancels their job when it ends) and each binds
+        a TCP attach endpoint (CurveZMQ, the mesh's key) on the address of its
+        node that reaches this host. ``plan``: ``keep_alive`` (seconds a rank
+        waits for a controller) and ``output_bytes`` (bytes of output each rank
+        keeps), as :class:`~.local.DetachPlan` has them."""
+        self.detach_plan = plan
+
+    def _detach_env(self) -> dict[str, str]:
+        plan = self.detach_plan
+        if plan is None:
+            return {}
+        return {"MONARCH_ATTACH_ENDPOINT": "tcp://*:0",
+                "MONARCH_DETACH_KEEP_ALIVE": repr(float(plan.keep_alive)),
+                "MONARCH_DETACH_OUTPUT_BYTES": str(int(plan.output_bytes)),
+                "MONARCH_DETACH_HOLDER": f"{os.getpid()}@{socket.gethostname()}"}
+
+    def release(self) -> None:
         """Leave the job running without this controller: stop watching it, and
         tell the guardian to cancel nothing when this process ends (the ranks
         end themselves after their keep-alive, and the job with them)."""

@@ -77,14 +77,18 @@ class SlurmUnit:
 
 
 def task_script(spec: LaunchSpec, ranks: list[int], key_file: str | None,
-                python: str | None) -> str:
-    """The bash script each task of the step runs (``bash -c``) for ``ranks``."""
+                python: str | None, env: dict[str, str] | None = None) -> str:
+    """The bash script each task of the step runs (``bash -c``) for ``ranks``;
+    ``env``: variables every task exports (not secrets: the script is kept by
+    Slurm, readable by its administrators)."""
     cmd = worker_command(spec, None, python)
     lines = [
         "set -e",
         f"ranks=({' '.join(str(r) for r in ranks)})",
         'r=${ranks[${SLURM_PROCID:?this script runs as an srun task}]}',
     ]
+    if env:
+        lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
     if key_file is not None:
         lines.append(f"MONARCH_MESH_KEY=$(<{shlex.quote(key_file)}); export MONARCH_MESH_KEY")
     cases = [f"{r}) export {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())};;"

@@ -11,6 +11,7 @@ import argparse
 import getpass
 import json
 import subprocess
+import types
 
 import pytest
 from IPython.core.error import UsageError
@@ -235,9 +236,8 @@ def test_a_detached_job_is_never_cancelled_with_its_controller(monkeypatch, tmp_
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     la = _Recorder(key_dir=str(tmp_path), output="/tmp/out-%u-%j.txt")
     la._watcher = _AliveThread()
-    spec = _spec({"hosts": 1, "procs": 2})
-    spec.detached = True
-    la.launch(spec)
+    la.make_detachable(types.SimpleNamespace(keep_alive=60, output_bytes=1000))
+    la.launch(_spec({"hosts": 1, "procs": 2}))
     cmd, script, _ = la.calls[0]
     assert la.guard.proc is None and not la.guard._onexit  # nothing to run at our exit
     assert la.units[0].detached
@@ -245,6 +245,8 @@ def test_a_detached_job_is_never_cancelled_with_its_controller(monkeypatch, tmp_
     assert "trap cleanup EXIT" in script and "exec srun" not in script
     assert f'/tmp/out-{getpass.getuser()}-"$SLURM_JOB_ID".txt' in script
     assert str(keyfile) in script
+    assert "MONARCH_ATTACH_ENDPOINT=" in script and "tcp://*:0" in script
+    assert "MONARCH_DETACH_KEEP_ALIVE=60.0" in script
     assert la.mesh_job() == "4242"
     # the script, run by bash with srun standing for a step that ends: files gone
     out = tmp_path / "out-7.txt"
@@ -254,7 +256,7 @@ def test_a_detached_job_is_never_cancelled_with_its_controller(monkeypatch, tmp_
     subprocess.run(["bash", "-c", fake], env={"SLURM_JOB_ID": "7", "PATH": "/usr/bin:/bin"},
                    check=True, timeout=30)
     assert not out.exists() and not keyfile.exists()
-    la.detach()
+    la.release()
     assert la._closing.is_set()
 
 
@@ -268,7 +270,7 @@ def test_an_attached_job_is_guarded_as_before(monkeypatch):
     _, script, _ = la.calls[0]
     assert "exec srun" in script and "trap" not in script
     assert list(la.guard._onexit) == [la.units[0].step_name]
-    la.detach()  # a mesh detached later: its job is no longer cancelled at exit
+    la.release()  # a mesh detached later: its job is no longer cancelled at exit
     assert not la.guard._onexit
 
 
