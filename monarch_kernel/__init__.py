@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Shape": "mesh.shape", "Point": "mesh.shape", "ValueMesh": "mesh.shape",
     "ProcMesh": "mesh.procmesh", "spawn_procs": "mesh.procmesh", "this_host": "mesh.procmesh",
-    "HostMesh": "mesh.procmesh",
+    "HostMesh": "mesh.procmesh", "attach": "mesh.procmesh", "stop_mesh": "mesh.procmesh",
     "Actor": "actor.actor_mesh", "ActorMesh": "actor.actor_mesh", "endpoint": "actor.actor_mesh",
     "Future": "actor.actor_mesh", "current_rank": "actor.actor_mesh",
     "current_size": "actor.actor_mesh", "WaitCycleError": "actor.cycles",
@@ -30,15 +30,17 @@ _EXPORTS = {
     "MonarchError": "errors", "MeshError": "errors", "MeshFailure": "errors",
     "RemoteError": "errors", "ActorError": "errors", "ProtocolError": "errors",
     "SerializationError": "errors", "TransportError": "errors", "NoMeshError": "errors",
+    "MeshBusyError": "errors",
     "RankSpecError": "errors", "SpawnInterrupted": "errors", "CollectiveAborted": "errors",
 }
 
 __all__ = [  # noqa: RUF022 - grouped like _EXPORTS
     "Shape", "Point", "ValueMesh", "ProcMesh", "spawn_procs", "this_host", "HostMesh",
+    "attach", "stop_mesh",
     "Actor", "ActorMesh", "endpoint", "Future", "current_rank", "current_size",
     "WaitCycleError", "Ref", "device_mesh", "RDMABuffer",
     "MonarchError", "MeshError", "MeshFailure", "RemoteError", "ActorError", "ProtocolError",
-    "SerializationError", "TransportError", "NoMeshError", "RankSpecError",
+    "SerializationError", "TransportError", "NoMeshError", "MeshBusyError", "RankSpecError",
     "SpawnInterrupted", "CollectiveAborted",
 ]
 

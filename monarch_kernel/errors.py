@@ -9,7 +9,8 @@ style of httpx's ``_exceptions.py``::
     ├── ProtocolError          a frame that is not a valid, signed message
     ├── TransportError         a socket could not bind, connect or send
     ├── MeshError              the mesh cannot do what was asked
-    │   ├── NoMeshError        no mesh has been spawned yet
+    │   ├── NoMeshError        no mesh has been spawned yet (or none of that name)
+    │   ├── MeshBusyError      a named mesh is attached to another live controller
     │   ├── RankSpecError      a ``--ranks`` spec names no valid rank
     │   └── MeshFailure        a rank died, stopped, or stopped answering
     ├── SerializationError     a value could not be pickled or unpickled
@@ -45,6 +46,7 @@ from typing import Any, Protocol, TypeVar, cast, overload
 __all__ = [
     "ActorError",
     "CollectiveAborted",
+    "MeshBusyError",
     "MeshError",
     "MeshFailure",
     "MonarchError",
@@ -88,6 +90,22 @@ class MeshError(MonarchError):
 
 class NoMeshError(MeshError):
     """No mesh exists yet; spawn one with ``%mesh spawn N``."""
+
+
+class MeshBusyError(MeshError):
+    """A named mesh is attached to another controller that is alive: attach with
+    ``steal=True`` (``%mesh attach NAME --steal``) to take it over.
+
+    Attributes
+    ----------
+    holder_pid : int or None
+        The pid of the controller that holds the mesh.
+    holder_host : str or None
+        The host that controller runs on.
+    """
+
+    holder_pid: int | None = None
+    holder_host: str | None = None
 
 
 class RankSpecError(MeshError, ValueError):
@@ -352,8 +370,8 @@ class CollectiveAborted(MonarchError, RuntimeError):
 
 # the public classes name the package, where users import them from (exported there)
 for _cls in (MonarchError, ProtocolError, TransportError, MeshError, NoMeshError,
-             RankSpecError, MeshFailure, SpawnInterrupted, SerializationError, RemoteError,
-             ActorError, CollectiveAborted):
+             MeshBusyError, RankSpecError, MeshFailure, SpawnInterrupted, SerializationError,
+             RemoteError, ActorError, CollectiveAborted):
     _cls.__module__ = "monarch_kernel"
 del _cls
 

@@ -63,6 +63,7 @@ from monarch_kernel.wire.messages import (
 )
 from monarch_kernel.wire.serialize import Packed, cuda_ipc
 from monarch_kernel.worker import handlers, telemetry
+from monarch_kernel.worker.detach import register_reporter
 from monarch_kernel.worker.worker import current_worker
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
@@ -497,3 +498,26 @@ handlers.register_io("calls", dispatch_calls)  # a batch (controller.batching), 
 handlers.register_io("rank_dead", dispatch_rank_dead)  # calls waiting on a dead rank fail
 handlers.register_request("spawn_actor", spawn_local)  # {"peer": this worker's actor address}
 handlers.register_request("stop_actor", _stop_actor)
+
+
+def actor_report(worker: Any) -> dict[str, Any]:
+    """The actors running on ``worker``, for a controller that attaches to its
+    (detachable) mesh: ``{"actors": {name: {uid, cls, endpoints, peer}}}``."""
+    out: dict[str, Any] = {}
+    for name, inst in list(worker.actors.items()):
+        obj = getattr(inst, "obj", None)
+        if obj is None:
+            continue
+        names: dict[str, None] = {}
+        for klass in reversed(type(obj).__mro__):
+            for k, v in vars(klass).items():
+                if getattr(getattr(v, "__func__", v), "__monarch_endpoint__", False):
+                    names[k] = None
+                elif k in names:
+                    del names[k]
+        out[name] = {"uid": inst.uid, "cls": type(obj).__qualname__,
+                     "endpoints": list(names), "peer": peer_host(worker).address}
+    return {"actors": out}
+
+
+register_reporter(actor_report)

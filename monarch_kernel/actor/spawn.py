@@ -31,7 +31,7 @@ from monarch_kernel.wire.messages import ActorErrorEvent, Failure, RankDead, Spa
 from monarch_kernel.wire.serialize import Packed
 from monarch_kernel.wire.sources import sources_for
 
-__all__ = ["spawn_actor_mesh"]
+__all__ = ["existing_actor_mesh", "spawn_actor_mesh"]
 
 log = logging.getLogger("monarch_kernel.actor.actor_mesh")
 
@@ -107,6 +107,18 @@ def spawn_actor_mesh(procmesh: Any, name: str, cls: type, args: tuple,
     peers = {r: v["peer"] for r, (_, v) in req.replies.items()}
     note_peers(ctl, peers)
     return ActorMesh(rec, shape, peers, endpoints, cls.__qualname__)
+
+
+def existing_actor_mesh(procmesh: Any, name: str, uid: str, peers: dict[int, str],
+                        endpoints: tuple[str, ...], class_name: str) -> ActorMesh:
+    """A handle to actor mesh ``name`` (``uid``) that already runs on the ranks of
+    ``procmesh`` (reported by them when a controller attached): ``peers`` are
+    the ranks' peer addresses, ``endpoints`` the class's endpoint names."""
+    ctl = procmesh.controller
+    _listen(ctl)
+    note_peers(ctl, peers)
+    rec = actor_record(uid, name, procmesh.root)
+    return ActorMesh(rec, procmesh.shape, peers, tuple(endpoints), class_name)
 
 
 def _unpack_exc(failure: Failure) -> BaseException | None:

@@ -219,6 +219,8 @@ class Controller:
         #: the last RECENT_REQUESTS cells and endpoint calls (requests with a label),
         #: oldest first, with their per-rank reply times (the dashboard's timeline)
         self.recent: collections.deque[Request] = collections.deque(maxlen=RECENT_REQUESTS)
+        #: requests taken over from the ranks of a detachable mesh at attach (resume)
+        self.resumed: dict[str, Request] = {}
         #: the I/O: sockets, lanes, heartbeats, leader/follower (monarch_kernel.controller.io)
         self.io = ControllerIO(self, self.router, self.pull, self._closed, spin_s)
         self.engine: Engine = self.io.engine
@@ -769,6 +771,73 @@ class Controller:
                 info.state = "idle"
         if finished is not None:
             finished._finish()  # callbacks run outside the controller's lock
+
+    def fail_pending(self, message: str) -> None:
+        """Fail every pending request with :class:`MeshFailure` ``message`` (the
+        ranks were taken over by another controller: nothing will answer here)."""
+        with self._lock:
+            pending = list(self.pending.values())
+            self.pending.clear()
+        for req in pending:
+            req._fail(MeshFailure(message))
+
+    # ------------------------------------------------------- attach (resume)
+    def resume(self, rank: int, state: dict[str, Any], world: list[int]) -> dict[str, int]:
+        """Take what ``rank`` of a detachable mesh reported when this controller
+        attached (the ``resume`` of its hello; the thread that leads, before its
+        next message): each request it runs, ran or queued becomes a pending
+        :class:`Request` (first over all of ``world``: :meth:`settle_resumed`
+        narrows it to the ranks that reported it), its kept output is replayed
+        into it in order, and a reply that came while detached is recorded.
+        Returns the bytes of output the rank dropped per request id."""
+        info = self.ranks[rank]
+        dropped: dict[str, int] = {}
+        for rid, r in (state.get("requests") or {}).items():
+            rid = str(rid)
+            with self._lock:
+                req = self.pending.get(rid)
+                if req is None:
+                    req = Request(rid, list(world), "resumed")
+                    req.waiter = self.wait_for
+                    req.reported = set()  # type: ignore[attr-defined]
+                    self.pending[rid] = req
+                    self.resumed[rid] = req
+                reported = getattr(req, "reported", None)
+                if reported is not None:
+                    reported.add(rank)
+                if r.get("reply") is None:
+                    info.state = "busy"
+            for name, text in r.get("output") or ():
+                self.output.deliver(rank, name, text, req)
+            if r.get("dropped"):
+                dropped[rid] = int(r["dropped"])
+            reply = r.get("reply")
+            if reply is not None:
+                self._on_reply(info, rid, reply["status"], reply["value"])
+        return dropped
+
+    def settle_resumed(self) -> list[Request]:
+        """Once every rank's hello was taken (:meth:`resume`): each resumed
+        request waits for the ranks that reported it only; those all of whose
+        ranks replied finish now. Returns the resumed requests."""
+        done = []
+        with self._lock:
+            reqs = list(self.resumed.values())
+            for req in reqs:
+                reported = getattr(req, "reported", None)
+                if reported is not None and not req.done():
+                    req.ranks = sorted(reported)
+                    if len(req.replies) >= len(req.ranks):
+                        self.pending.pop(req.id, None)
+                        done.append(req)
+            for info in self.ranks.values():
+                if info.state == "busy" and not any(
+                        info.rank in q.ranks and info.rank not in q.replies
+                        for q in self.pending.values()):
+                    info.state = "idle"
+        for req in done:
+            req._finish()
+        return reqs
 
     # --------------------------------------------------------------- closing
     def close(self) -> None:

@@ -26,6 +26,18 @@ one line per event on its stdin:
     controller killed with SIGKILL (a kernel shut down "now") cannot remove it.
 ``keep PATH``
     forget ``rmdir PATH`` (the controller removes it itself).
+``rmfile PATH TOKEN``
+    a file to remove when everything ends (a detached mesh's registry
+    record), only if it still contains ``TOKEN`` (the mesh's id: a later
+    mesh of the same name has another).
+
+A guardian started ``detached`` (the third argument; one per detachable
+mesh) is not tied to its controller: when the controller ends it goes on
+watching the workers (which outlive it, see
+:mod:`monarch_kernel.worker.detach`), ending what is left of each one's
+session as it exits; once every watched worker has ended it removes the
+``rmdir`` directories and the ``rmfile`` files and exits. Its ``onexit``
+commands never run.
 
 When the controller ends (its pidfd becomes readable, or stdin reaches end
 of file: the controller closed it, or died), every watched worker's process
@@ -124,9 +136,12 @@ def _signal_trees(ids: set[int], sig: int) -> set[int]:
 class _Watch:
     """The guardian's state and loop (runs in the guardian process)."""
 
-    def __init__(self, controller: int, grace: float) -> None:
+    def __init__(self, controller: int, grace: float, detached: bool = False) -> None:
         self.controller = controller
         self.grace = grace
+        self.detached = detached
+        self.files: dict[str, str] = {}  # path -> token (rmfile)
+        self.watched = False  # a worker was watched (detached: the end is when none is left)
         self.poll = select.poll()
         self.fds: dict[int, int] = {}  # pidfd -> worker pid
         self.workers: set[int] = set()
@@ -159,9 +174,11 @@ class _Watch:
             return
         except (AttributeError, OSError):  # no pidfds here, or no fd left
             self.workers.add(pid)
+            self.watched = True
             self.polled.add(pid)
             return
         self.fds[fd] = pid
+        self.watched = True
         self.workers.add(pid)
         self.poll.register(fd, select.POLLIN)
 
@@ -174,8 +191,12 @@ class _Watch:
             self.onexit[key] = json.loads(spec)
         elif verb == "drop":
             self.onexit.pop(rest.strip(), None)
-        elif verb == "rmdir" and os.path.basename(rest).startswith("mk-"):
+        elif verb == "rmdir" and os.path.basename(rest).startswith(("mk-", "mkm-")):
             self.dirs.add(rest)
+        elif verb == "rmfile":
+            path, _, token = rest.rpartition(" ")
+            if path and token:
+                self.files[path] = token
         elif verb == "keep":
             self.dirs.discard(rest)
 
@@ -212,7 +233,34 @@ class _Watch:
                 pass
         return True
 
+    def _let_go(self, fd: int) -> None:
+        """Detached: the controller ended (``fd``: its pidfd or stdin); go on."""
+        try:
+            self.poll.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+        if fd == self.ctl_fd:
+            os.close(fd)
+            self.ctl_fd = None
+        self.controller_left = True
+
+    def cleanup(self) -> None:
+        """Remove the directories and files it was given (after the workers)."""
+        for path in self.dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        for path, token in self.files.items():
+            try:
+                with open(path) as f:
+                    if token not in f.read():
+                        continue
+                os.unlink(path)
+            except OSError:
+                pass
+
     def run(self) -> None:
+        self.controller_left = False
+        if self.detached:
+            return self.run_detached()
         if self.controller_gone():  # it died while we started: what did it start?
             os.set_blocking(0, False)
             while self.read_commands() and select.select([0], [], [], 0.2)[0]:
@@ -243,6 +291,42 @@ class _Watch:
                 self.end_groups()
             if self.pending:
                 self.due()
+
+    def run_detached(self) -> None:
+        """Watch the workers until none is left, the controller's end or not."""
+        stdin_open = True
+        while True:
+            timeout = 100 if (self.pending or self.polled) else 1000
+            for fd, _ in self.poll.poll(timeout):
+                if fd == 0:
+                    if not self.read_commands():
+                        self._let_go(0)
+                        stdin_open = False
+                elif fd == self.ctl_fd:
+                    self._let_go(fd)
+                else:
+                    self.poll.unregister(fd)
+                    os.close(fd)
+                    self.ended.add(self.fds.pop(fd))
+            for pid in list(self.polled):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    self.polled.discard(pid)
+                    self.ended.add(pid)
+            if self.ended:
+                self.end_groups()
+            if self.pending:
+                self.due()
+            if self.watched and not self.workers and not self.pending:
+                if stdin_open:  # (the commands sent with the last worker's end)
+                    os.set_blocking(0, False)
+                    self.read_commands()
+                self.cleanup()
+                return
+            if not stdin_open and not self.watched:
+                self.cleanup()  # (nothing was ever started)
+                return
 
     def _run_all(self, phase: str) -> None:
         for spec in self.onexit.values():
@@ -275,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     controller = int(args[0])
     grace = float(args[1]) if len(args) > 1 else DEFAULT_GRACE
+    detached = len(args) > 2 and args[2] == "detached"
+    if detached:  # (the kernel's end, a Ctrl-C or SIGHUP of its terminal must not end it)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:  # one pidfd per worker
         import resource
 
@@ -283,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ImportError, ValueError, OSError):
         pass
-    _Watch(controller, grace).run()
+    _Watch(controller, grace, detached).run()
     return 0
 
 
@@ -301,8 +388,10 @@ class Guardian:
         Seconds between SIGTERM and SIGKILL.
     """
 
-    def __init__(self, grace: float = DEFAULT_GRACE) -> None:
+    def __init__(self, grace: float = DEFAULT_GRACE, detached: bool = False) -> None:
         self.grace = grace
+        #: a detached mesh's guardian: not tied to this process (see the module docstring)
+        self.detached = detached
         self.proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._onexit: dict[str, str] = {}
@@ -321,8 +410,11 @@ class Guardian:
                 return False
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
-                 repr(self.grace)],
+                 repr(self.grace), *(["detached"] if self.detached else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+                # (a detached one outlives this process: it must not hold its stderr,
+                # which whoever reads this process's output waits on)
+                stderr=subprocess.DEVNULL if self.detached else None,
             )
             for line in self._onexit.values():
                 self._write(line)
@@ -363,12 +455,35 @@ class Guardian:
         other names are ignored) if this process ends before :meth:`close`:
         killed, it cannot remove it itself. Told to the guardian when it runs
         (now, or when it is started)."""
-        if "\n" in path or not os.path.basename(path).startswith("mk-"):
+        if "\n" in path or not os.path.basename(path).startswith(("mk-", "mkm-")):
             return
         with self._lock:
             if path not in self._dirs:
                 self._dirs.append(path)
                 self._write(f"rmdir {path}")
+
+    def remove_file_at_end(self, path: str, token: str) -> None:
+        """(Detached guardian) remove file ``path`` once every worker ended, if it
+        still contains ``token``."""
+        if "\n" in path or " " in token or "\n" in token or not token:
+            return
+        with self._lock:
+            line = f"rmfile {path} {token}"
+            self._onexit[f"rmfile:{path}"] = line  # (told again to a restarted guardian)
+            self._write(line)
+
+    def release(self) -> None:
+        """Let go of a detached guardian without stopping it: it goes on watching
+        the workers (this process detaches from the mesh)."""
+        with self._lock:
+            proc, self.proc = self.proc, None
+            self._onexit.clear()
+            self._dirs.clear()
+        if proc is not None and proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
 
     def drop(self, key: str) -> None:
         """Forget the :meth:`on_exit` entry ``key``."""

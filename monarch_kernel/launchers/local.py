@@ -7,7 +7,9 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from monarch_kernel.launchers.base import (
@@ -21,7 +23,36 @@ from monarch_kernel.launchers.base import (
 from monarch_kernel.launchers.guard import Guardian
 from monarch_kernel.transport import lane
 
-__all__ = ["LocalLauncher"]
+__all__ = ["AdoptedLauncher", "DetachPlan", "LocalLauncher"]
+
+
+@dataclass
+class DetachPlan:
+    """How a local launcher starts the workers of a detachable mesh.
+
+    Attributes
+    ----------
+    mesh_dir : str
+        The mesh's own 0700 directory (named ``mkm-...``): each rank binds its
+        attach endpoint there (``ipc://<mesh_dir>/a<rank>``). Removed, with
+        ``record``, by the mesh's detached guardian when the last rank ended.
+    keep_alive : float
+        Seconds a detached rank waits for a controller.
+    output_bytes : int
+        Bytes of output each rank keeps for replay.
+    record : str or None
+        The registry file removed with the mesh (if it still names ``mesh_id``).
+    mesh_id : str
+    """
+
+    mesh_dir: str
+    keep_alive: float
+    output_bytes: int
+    record: str | None = None
+    mesh_id: str = ""
+
+    def endpoint(self, rank: int) -> str:
+        return f"ipc://{self.mesh_dir}/a{rank}"
 
 
 class LocalLauncher(Launcher):
@@ -52,6 +83,26 @@ class LocalLauncher(Launcher):
         self._lock = threading.Lock()
         self.host = socket.gethostname()
         self.guard = Guardian()
+        #: set before launch for a detachable mesh: no lanes, no controller-read pipes,
+        #: no controller pid given to the workers, and a guardian of the mesh's own
+        self.detach: DetachPlan | None = None
+
+    def make_detachable(self, plan: DetachPlan) -> None:
+        """Start the workers of the next :meth:`launch` detachable (see :class:`DetachPlan`)."""
+        self.detach = plan
+        self.guard = Guardian(detached=True)
+        self.guard.remove_on_exit(plan.mesh_dir)
+        if plan.record:
+            self.guard.remove_file_at_end(plan.record, plan.mesh_id)
+
+    def release(self) -> None:
+        """Leave the workers of a detachable mesh running (this process detaches):
+        the output pipes close here, the guardian goes on by itself."""
+        with self._lock:
+            for r in list(self.pipes):
+                self._close_pipes(r)
+            self._reported.update(self.procs)
+        self.guard.release()
 
     def attach(self, controller: object) -> None:
         """Remember the controller; its private directory for Unix sockets (if it
@@ -62,7 +113,7 @@ class LocalLauncher(Launcher):
             self.guard.remove_on_exit(ipc_dir)
 
     def launch(self, spec: LaunchSpec) -> None:
-        spec.controller_pid = os.getpid()
+        spec.controller_pid = None if self.detach is not None else os.getpid()
         base = dict(os.environ)
         base["MONARCH_MESH_KEY"] = spec.key.hex()
         base.setdefault("OMP_NUM_THREADS", default_threads(spec.world_size))
@@ -96,16 +147,25 @@ class LocalLauncher(Launcher):
         # worker reads them while it lives, we read what is left if it dies.
         r1, w1 = os.pipe()
         r2, w2 = os.pipe()
-        log_fd = os.dup(2)
+        plan = self.detach
+        # (a detachable worker logs to its own stderr: the kernel's may be gone tomorrow)
+        log_fd = os.dup(2) if plan is None else os.open(
+            os.environ.get("MONARCH_DETACH_LOG") or os.devnull,
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         env["MONARCH_LOG_FD"] = str(log_fd)
-        if self.on_pipes is not None:
+        if plan is not None:
+            env["MONARCH_ATTACH_ENDPOINT"] = plan.endpoint(rank)
+            env["MONARCH_DETACH_KEEP_ALIVE"] = repr(plan.keep_alive)
+            env["MONARCH_DETACH_OUTPUT_BYTES"] = str(plan.output_bytes)
+            env["MONARCH_DETACH_HOLDER"] = f"{os.getpid()}@{self.host}"
+        if self.on_pipes is not None and plan is None:
             env["MONARCH_OUTPUT_PIPES"] = "controller"
             keep: tuple[int, ...] = (log_fd,)
         else:
             env["MONARCH_CAPTURE_FDS"] = f"{r1},{r2}"
             keep = (r1, r2, log_fd)
         ours = theirs = None
-        if self.on_lane is not None:  # this rank's messages go through a socket pair
+        if self.on_lane is not None and plan is None:  # messages go through a socket pair
             ours, theirs = lane.pair()
             env["MONARCH_LANE_FD"] = str(theirs.fileno())
             keep = (*keep, theirs.fileno())
@@ -134,9 +194,9 @@ class LocalLauncher(Launcher):
             self._close_pipes(rank)
             self.procs[rank] = proc
             self._reported.discard(rank)
-            if self.on_pipes is None:
+            if self.on_pipes is None or plan is not None:
                 self.pipes[rank] = (r1, r2)
-        if self.on_pipes is not None:
+        if self.on_pipes is not None and plan is None:
             self.on_pipes(rank, r1, r2)  # the controller owns (and closes) them now
         if ours is not None:
             self.on_lane(rank, ours)  # (and this one)
@@ -210,3 +270,85 @@ class LocalLauncher(Launcher):
                     self._close_pipes(r)
         if ranks is None:  # the mesh is over: what its ranks started ends now
             self.guard.close()
+
+
+class AdoptedLauncher(Launcher):
+    """The launcher of a local mesh this process attached to (its workers are
+    not its children): it knows their pids, signals them, sees them exit and
+    stops them; their guardian (the mesh's own) cleans up after them.
+
+    Parameters
+    ----------
+    pids : dict of int to int
+        Rank -> pid.
+    """
+
+    name = "local"
+    local = True
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self.pids = dict(pids)
+        self.host = socket.gethostname()
+        self._reported: set[int] = set()
+        self._lock = threading.Lock()
+        self.guard = None
+
+    def launch(self, spec: LaunchSpec) -> None:
+        raise NotImplementedError("the ranks of an attached mesh cannot be started again "
+                                  "from here; stop the mesh and spawn a new one")
+
+    def placements(self) -> dict[int, Placement]:
+        return {r: Placement(r, self.host, p) for r, p in self.pids.items()}
+
+    def poll(self) -> dict[int, int]:
+        out = {}
+        with self._lock:
+            for rank, pid in self.pids.items():
+                if rank not in self._reported and not _running(pid):
+                    self._reported.add(rank)
+                    out[rank] = 0  # (not a child: its exit code cannot be had)
+        return out
+
+    def signal(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
+        for r in ranks:
+            pid = self.pids.get(r)
+            if pid is not None and _running(pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def release(self) -> None:
+        """Nothing to let go of (the workers are not this process's)."""
+        with self._lock:
+            self._reported.update(self.pids)
+
+    def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
+        pids = [p for r, p in self.pids.items() if ranks is None or r in ranks]
+        deadline = time.monotonic() + timeout
+        for sig, wait in ((None, timeout), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            left = [p for p in pids if _running(p)]
+            if not left:
+                return
+            if sig is not None:
+                for p in left:
+                    try:
+                        os.kill(p, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(_running(p) for p in left):
+                time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True

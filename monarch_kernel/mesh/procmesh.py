@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -22,13 +24,14 @@ from typing import Any
 
 from monarch_kernel.actor import mesh_keys
 from monarch_kernel.actor.host import supervise_from_current_actor
-from monarch_kernel.actor.spawn import spawn_actor_mesh
+from monarch_kernel.actor.spawn import existing_actor_mesh, spawn_actor_mesh
 from monarch_kernel.controller.controller import Controller, Request
 from monarch_kernel.controller.output import RankPrinter, write_stream
 from monarch_kernel.errors import (
     MESH_STOPPED,
     MeshError,
     MeshFailure,
+    NoMeshError,
     RankSpecError,
     SerializationError,
     SpawnInterrupted,
@@ -37,7 +40,10 @@ from monarch_kernel.errors import (
     ranks_label,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
+from monarch_kernel.launchers.local import DetachPlan
+from monarch_kernel.mesh import durable, registry
 from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
+from monarch_kernel.mesh.durable import HelloStates, Resumed
 from monarch_kernel.mesh.shape import Shape, ValueMesh, parse_ranks
 from monarch_kernel.mesh.supervision import (
     RESTART_POLICIES,
@@ -53,8 +59,9 @@ from monarch_kernel.util.numbers import check_number
 from monarch_kernel.util.sigint import DeferredSigint
 from monarch_kernel.wire.serialize import Packed, cuda_ipc, find_unpicklable
 
-__all__ = ["MAX_RANKS_PER_CPU", "WORKER_MEMORY", "HostMesh", "ProcMesh", "check_spawn",
-           "host_capacity", "live_meshes", "spawn_procs", "this_host"]
+__all__ = ["MAX_RANKS_PER_CPU", "WORKER_MEMORY", "HostMesh", "ProcMesh", "Resumed", "attach",
+           "check_spawn", "host_capacity", "live_meshes", "spawn_procs", "stop_mesh",
+           "this_host"]
 
 #: a local mesh may have at most this many ranks per CPU of this host without ``force``
 MAX_RANKS_PER_CPU = 8
@@ -98,6 +105,21 @@ class ProcMesh:
         self.ready = threading.Event()  # cleared while ranks are being restarted
         self.ready.set()
         self.supervisor: Any = None
+        #: the mesh's name (a named, registered mesh), or None
+        self.name: str | None = None
+        #: spawned detachable (outlives this controller; see detach())
+        self.detached = False
+        #: seconds the ranks of a detachable mesh live with no controller (None: not one)
+        self.keep_alive: float | None = None
+        #: True when spawn_procs(name=...) found the mesh alive and attached to it
+        self.attached_existing = False
+        #: what the ranks reported at attach: one row per request they ran (Resumed)
+        self.resumed: list[Resumed] = []
+        self.record: registry.MeshRecord | None = None
+        self._gone: str | None = None  # why this handle no longer drives the mesh
+        self._actor_meshes: dict[str, Any] = {}  # name -> ActorMesh (spawned or reported)
+        self._reported_actors: dict[int, dict[str, Any]] = {}  # rank -> {name: info}
+        self._paused: list[int] = []
 
     # --------------------------------------------------------------- shape
     @property
@@ -146,6 +168,8 @@ class ProcMesh:
     # ------------------------------------------------------------ requests
     def _check(self) -> None:
         root = self.root
+        if root._gone is not None:
+            raise MeshError(root._gone)
         if root._stopped:
             raise MeshFailure(MESH_STOPPED)
         if not root.ready.is_set() and not root.ready.wait(root.controller.restart_timeout):
@@ -199,7 +223,7 @@ class ProcMesh:
             timeout = _seconds(timeout, "timeout")
         if not show_output(req, timeout):
             raise TimeoutError(f"no answer from {ranks_label(req.ranks)} within {timeout:g} s")
-        if req.failure is not None:  # fail fast: stop what the other ranks still run
+        if req.failure is not None and self.root._gone is None:  # fail fast: stop the rest
             printer = RankPrinter(write_stream)
             try:
                 killed = stop_survivors(self, req, lambda ev: _print_event(printer, ev))
@@ -314,7 +338,74 @@ class ProcMesh:
     # ---------------------------------------------------------------- actors
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
         """Construct ``actor_class(*args, **kwargs)`` on every rank: an ActorMesh."""
-        return spawn_actor_mesh(self, name, actor_class, args, kwargs)
+        am = spawn_actor_mesh(self, name, actor_class, args, kwargs)
+        if self.shape.ranks == self.root.shape.ranks:
+            self.root._actor_meshes[name] = am
+        return am
+
+    def actors(self, name: str) -> Any:
+        """A handle to the actor mesh ``name`` that runs on this mesh's ranks (spawned
+        by this controller, or found on the ranks when it attached).
+
+        Raises
+        ------
+        MeshError
+            If no actor of that name runs on these ranks.
+        """
+        self._check()
+        root = self.root
+        am = root._actor_meshes.get(name)
+        if am is None:
+            infos = {r: a[name] for r, a in root._reported_actors.items() if name in a}
+            if not infos:
+                known = sorted({n for a in root._reported_actors.values() for n in a}
+                               | set(root._actor_meshes))
+                raise MeshError(f"no actor mesh named {name!r} runs on this mesh"
+                                + (f" (there is: {', '.join(known)})" if known else ""))
+            first = next(iter(infos.values()))
+            am = existing_actor_mesh(root, name, first["uid"],
+                                     {r: i["peer"] for r, i in infos.items()},
+                                     tuple(first["endpoints"]), first["cls"])
+            root._actor_meshes[name] = am
+        return am
+
+    def paused_ranks(self) -> list[int]:
+        """The ranks that were stopped in the debugger (pdb) when this controller
+        attached, and those paused since (as far as this controller heard)."""
+        root = self.root
+        paused = set(root._paused)
+        paused.update(r for r, i in root.controller.ranks.items() if i.state == "paused")
+        return sorted(r for r in paused if r in self.ranks)
+
+    def follow(self, timeout: float | None = None) -> Any:
+        """Wait for the requests the ranks still ran when this controller attached
+        (or finished while detached) to end, their output shown as a cell's is
+        (rank-tagged on ``sys.stdout``/``sys.stderr``, the kept output first).
+
+        Returns
+        -------
+        ValueMesh, list of ValueMesh, or None
+            The result of the one resumed request (its ranks' values), a list when
+            there were several, None when there was none.
+
+        Raises
+        ------
+        RemoteError, MeshFailure
+            As :meth:`collect`, for the first request that failed.
+        TimeoutError
+            If ``timeout`` seconds passed first.
+        """
+        root = self.root
+        reqs = [q for q in root.controller.resumed.values()]
+        deadline = None if timeout is None else time.monotonic() + _seconds(timeout, "timeout")
+        out = []
+        for req in reqs:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            out.append(self.collect(req, req.ranks, timeout=left))
+        root.controller.resumed.clear()
+        if not out:
+            return None
+        return out[0] if len(out) == 1 else out
 
     def ref(self, name: str) -> Any:
         """A handle to variable ``name`` of every rank of this mesh; the values stay on
@@ -380,13 +471,64 @@ class ProcMesh:
         restart_ranks(self, list(ranks), _seconds(timeout, "timeout"))
 
     # --------------------------------------------------------------- closing
+    def detach(self, timeout: float = 5.0) -> None:
+        """Leave a detachable mesh running and close this controller's side: the
+        ranks keep their state and go on with what they run, keeping its output,
+        until a controller attaches (``monarch_kernel.attach(name)``) or their
+        keep-alive passes. This handle is unusable afterwards.
+
+        Raises
+        ------
+        MeshError
+            If the mesh was not spawned with ``detach=True``.
+        """
+        root = self.root
+        if root._gone is not None or root._stopped:
+            return
+        if not root.detached or root.record is None:
+            raise MeshError("this mesh was not spawned detachable; spawn it with "
+                            "spawn_procs(..., name='NAME', detach=True) to detach it")
+        ctl = root.controller
+        live = [r for r, i in ctl.ranks.items() if i.state not in ("dead", "stopped",
+                                                                   "starting")]
+        try:  # (a reply each: the ranks heard it before this side closes)
+            req = ctl.request(live, "detach") if live else None
+            if req is not None:
+                req.wait(timeout)
+        except MeshFailure:
+            pass
+        root._gone = (f"this handle detached from mesh {root.name!r}; attach again with "
+                      f"monarch_kernel.attach({root.name!r}) (or %mesh attach {root.name})")
+        ctl.stopping = True
+        mesh_keys.unregister(ctl)
+        ctl.close()
+        release = getattr(root.launcher, "release", None)
+        if release is not None:
+            release()
+        durable.mark_detached(root.record)
+        _live.discard(root)
+
+    def _taken_over(self, pid: Any, host: Any) -> None:
+        """The ranks were taken over by another controller (steal): this handle is done."""
+        root = self.root
+        if root._gone is not None:
+            return
+        root._gone = (f"mesh {root.name!r} was taken over by pid {pid} on host {host}; "
+                      f"attach again with monarch_kernel.attach({root.name!r}, steal=True) "
+                      "to take it back")
+        root.controller.fail_pending(root._gone)
+        _live.discard(root)
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop every worker of the (root) mesh and close the controller.
+        """Stop every worker of the (root) mesh and close the controller; a named
+        mesh's registry record, directory and guardian go too.
 
         Idempotent. Workers that do not exit within ``timeout`` seconds are
         terminated, then killed.
         """
         root = self.root
+        if root._gone is not None:
+            raise MeshError(root._gone)
         if root._stopped:
             return
         root._stopped = True
@@ -406,6 +548,8 @@ class ProcMesh:
             root.controller.mark_dead(r, 0, state="stopped")
         root.controller.close()
         _live.discard(root)
+        if root.record is not None:
+            _remove_traces(root.record)
 
     def __enter__(self) -> ProcMesh:
         return self
@@ -462,6 +606,125 @@ def unsendable(name: str, value: Any, e: BaseException) -> str:
             "it out of what you send")
 
 
+def _remove_traces(rec: registry.MeshRecord, timeout: float = 5.0) -> None:
+    """Remove what a stopped named mesh leaves: its registry record, its directory,
+    and (waited for) its guardian."""
+    registry.remove(rec.name, rec.mesh_id)
+    if rec.mesh_dir and os.path.basename(rec.mesh_dir).startswith("mkm-"):
+        shutil.rmtree(rec.mesh_dir, ignore_errors=True)
+    if rec.guardian_pid and rec.host == socket.gethostname():
+        deadline = time.monotonic() + timeout
+        while _alive(rec.guardian_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
+           on_output: Any = None) -> ProcMesh:
+    """Attach this process, as the controller, to the running detachable mesh ``name``.
+
+    The returned mesh drives the same processes (their namespaces and actors
+    intact); :attr:`ProcMesh.resumed` lists what they ran meanwhile and
+    :meth:`ProcMesh.follow` follows it to its end.
+
+    Parameters
+    ----------
+    name : str
+    steal : bool
+        Take the mesh over from another controller that is alive (which is told).
+    timeout : float
+        Seconds to wait for the ranks.
+    on_output : callable(rank, name, text) or None
+        As for :func:`spawn_procs`.
+
+    Raises
+    ------
+    NoMeshError
+        If there is no live mesh of that name.
+    MeshBusyError
+        If another live controller holds it and ``steal`` is False.
+    MeshError, TimeoutError
+        If the ranks cannot be reached.
+    """
+    rec = registry.load(name) if registry.valid_name(name) else None
+    if rec is None or not registry.alive(rec):
+        if rec is not None:
+            registry.remove(name, rec.mesh_id)
+        raise NoMeshError(f"no mesh named {name!r} is running for this user (spawn one "
+                          f"with spawn_procs(..., name={name!r}, detach=True); `%mesh list` "
+                          "shows the meshes there are)")
+    timeout = _seconds(timeout, "timeout")
+    la = durable.adopted_launcher(rec)
+    heartbeat = float(rec.extra.get("heartbeat", 1.0))
+    world = list(range(rec.world_size))
+    addr = None if la.local else la.default_bind()
+    ctl = _controller_for(la, addr, heartbeat, on_output, key=bytes.fromhex(rec.key_hex))
+    try:
+        mesh = ProcMesh(ctl, la, Shape(rec.shape))
+        mesh.name, mesh.detached, mesh.keep_alive, mesh.record = (
+            rec.name, True, rec.keep_alive, rec)
+        _watch_take_over(mesh)
+        ctl.expect(world, local=la.local)
+        states = HelloStates(ctl, world)
+        ctl.listeners.append(states)
+        ctl.poll_exits = la.poll
+        la.attach(ctl)
+        durable.attach_ranks(ctl, rec, steal, timeout)
+        ctl.wait_ready(world, timeout)
+        states.wait(world, timeout)
+        ctl.listeners.remove(states)
+        ctl.settle_resumed()
+        mesh.resumed = states.resumed()
+        for r, st in states.states.items():
+            mesh._reported_actors[r] = st.get("actors") or {}
+            if st.get("paused"):
+                mesh._paused.append(r)
+        mesh_keys.register(ctl)
+        mesh_keys.introduce(ctl, world)
+    except BaseException:
+        ctl.close()
+        raise
+    rec.controller = {"pid": os.getpid(), "host": socket.gethostname()}
+    rec.last_seen = time.time()
+    rec.pids = {r: int(i.pid) for r, i in ctl.ranks.items() if i.pid} or rec.pids
+    cur = registry.load(name)
+    if cur is not None and cur.mesh_id == rec.mesh_id:
+        registry.save(rec)
+    _live.add(mesh)
+    return mesh
+
+
+def stop_mesh(name: str, timeout: float = 10.0, force: bool = False) -> None:
+    """End the named mesh without keeping it attached: every rank stops and every
+    trace goes (processes, sockets, registry record).
+
+    Raises
+    ------
+    NoMeshError
+        If there is no live mesh of that name.
+    MeshBusyError
+        If another live controller holds it (``force=True`` takes it over first).
+    """
+    for m in live_meshes():
+        if m.name == name:
+            m.stop(timeout=timeout)
+            return
+    mesh = attach(name, steal=force, timeout=timeout)
+    mesh.stop(timeout=timeout)
+
+
+def _watch_take_over(mesh: ProcMesh) -> None:
+    """Have ``mesh`` hear that another controller took its ranks over (steal)."""
+    ref = weakref.ref(mesh)
+
+    def listener(kind: str, rank: int, payload: Any) -> None:
+        m = ref()
+        if (m is not None and kind == "event" and isinstance(payload, dict)
+                and payload.get("kind") == "taken_over"):
+            m._taken_over(payload.get("pid"), payload.get("host"))
+
+    mesh.controller.listeners.append(listener)
+
+
 def spawn_procs(
     shape: dict[str, int] | int = 1,
     *,
@@ -477,6 +740,10 @@ def spawn_procs(
     max_restarts: int = 3,
     encrypt: bool | None = None,
     force: bool = False,
+    name: str | None = None,
+    detach: bool = False,
+    keep_alive: float | None = None,
+    attach_existing: bool = True,
 ) -> ProcMesh:
     """Start a mesh of worker processes.
 
@@ -519,6 +786,23 @@ def spawn_procs(
     force : bool
         Start a local mesh even if it is far bigger than this host allows
         (see :func:`host_capacity`).
+    name : str or None
+        Name the mesh (1-64 letters, digits, ``_.-``). With a name of a live
+        mesh in this user's registry (:mod:`monarch_kernel.mesh.registry`) and
+        ``attach_existing``, that mesh is attached instead of a new one spawned
+        (get-or-spawn; the result has ``attached_existing = True``); a record of
+        a mesh that is gone is removed first.
+    detach : bool
+        Spawn the mesh detachable (needs ``name``): its workers outlive this
+        controller (see :meth:`ProcMesh.detach`), keeping their state, what they
+        run and its output (at most ``MONARCH_DETACH_OUTPUT_BYTES`` bytes per
+        rank, 8 MiB by default; what is dropped beyond that is counted), until
+        a controller attaches (:func:`attach`) or ``keep_alive`` passes.
+        Without it (the default) the workers end with this controller, as ever.
+    keep_alive : float or None
+        Seconds a detached mesh lives with no controller (default 3600).
+    attach_existing : bool
+        Attach to a live mesh of the same name (else: MeshError if one lives).
 
     Returns
     -------
@@ -548,6 +832,31 @@ def spawn_procs(
         or ``MONARCH_MAX_MESSAGE_BYTES`` to something other than a number of
         bytes of at least 1 MiB (:mod:`monarch_kernel.transport.sockets`).
     """
+    if name is not None and not registry.valid_name(name):
+        raise MeshError(f"mesh name {name!r}: use 1-64 letters, digits, '_', '.' or '-', "
+                        "starting with a letter or digit")
+    if detach and name is None:
+        raise ValueError("a detachable mesh needs a name: spawn_procs(..., name='train', "
+                         "detach=True)")
+    if keep_alive is not None:
+        try:
+            keep_alive = float(check_number(keep_alive, "keep_alive", above=True,
+                                            seconds=True))
+        except ValueError as e:
+            raise MeshError(str(e)) from None
+    if name is not None:
+        rec = registry.load(name)
+        if rec is not None and registry.alive(rec):
+            if not attach_existing:
+                raise MeshError(f"a mesh named {name!r} is running already; attach to it "
+                                f"(monarch_kernel.attach({name!r})) or stop it first")
+            mesh = attach(name, timeout=timeout, on_output=on_output)
+            mesh.attached_existing = True
+            print(f"[monarch] mesh {name!r} is running already: attached to it "
+                  f"({len(mesh)} ranks)", file=sys.stderr, flush=True)
+            return mesh
+        if rec is not None:
+            registry.remove(name, rec.mesh_id)
     sh, la, addr = check_spawn(
         shape, dist=dist, launcher=launcher, bind=bind, heartbeat=heartbeat, timeout=timeout,
         launcher_options=launcher_options, telemetry_interval=telemetry_interval,
@@ -556,6 +865,18 @@ def spawn_procs(
     ranks = list(range(n))
     ctl: Controller | None = None
     mesh: ProcMesh | None = None
+    plan: DetachPlan | None = None
+    states: HelloStates | None = None
+    if detach:
+        make = getattr(la, "make_detachable", None)
+        if make is None:
+            raise MeshError(f"the {la.name!r} launcher cannot spawn detachable meshes")
+        if keep_alive is None:
+            keep_alive = registry.DEFAULT_KEEP_ALIVE
+        assert name is not None
+        plan = DetachPlan(durable.mesh_dir(), keep_alive, _output_bytes(),
+                          str(registry.record_path(name)), secrets.token_hex(8))
+        make(plan)
     try:
         ctl = _controller_for(la, addr, heartbeat, on_output, encrypt)
         mesh_keys.register(ctl)  # this program's meshes: their actors may call each other
@@ -572,6 +893,9 @@ def spawn_procs(
         if hasattr(la, "on_lane") and la.local and ctl.use_lanes:  # ... and their messages
             la.on_lane = ctl.adopt_lane
         la.attach(ctl)
+        if plan is not None:
+            states = HelloStates(ctl, ranks)
+            ctl.listeners.append(states)
         with DeferredSigint():  # (Ctrl-C after the processes start: each one is recorded)
             la.launch(spec)
         la.wait_started(timeout)
@@ -588,12 +912,47 @@ def spawn_procs(
                f"worker processes {', '.join(map(str, left))} did not exit")) from None
     except BaseException:
         _abandon(mesh, ctl, la)
+        if plan is not None:
+            shutil.rmtree(plan.mesh_dir, ignore_errors=True)
         raise
+    mesh.name = name
+    if plan is not None and states is not None:
+        assert name is not None and keep_alive is not None
+        ctl.listeners.remove(states)
+        mesh.detached, mesh.keep_alive = True, keep_alive
+        guard = getattr(la, "guard", None)
+        endpoints = {r: states.endpoints.get(r) or plan.endpoint(r) for r in ranks}
+        mesh.record = durable.record_for(name, la, ctl, sh.dims, n, keep_alive, endpoints,
+                                         plan.mesh_id, plan.mesh_dir,
+                                         guard.pid if guard is not None else None)
+        registry.save(mesh.record)
+        _watch_take_over(mesh)
     if restart == "on-failure":
         mesh.supervisor = Supervisor(mesh, max_restarts)
     supervise_from_current_actor(ctl)  # spawned by an actor: its __supervise__ sees failures
     _live.add(mesh)
     return mesh
+
+
+def _output_bytes() -> int:
+    """``MONARCH_DETACH_OUTPUT_BYTES`` (bytes of output a detached rank keeps), or 8 MiB.
+
+    Raises
+    ------
+    MeshError
+        If it is set to something other than a whole number of bytes.
+    """
+    text = os.environ.get("MONARCH_DETACH_OUTPUT_BYTES", "")
+    if not text:
+        return 8 << 20
+    try:
+        n = int(text)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise MeshError(f"MONARCH_DETACH_OUTPUT_BYTES must be a whole number of bytes, "
+                        f"not {text!r}") from None
+    return n
 
 
 def _abandon(mesh: ProcMesh | None, ctl: Controller | None, la: Launcher
@@ -746,12 +1105,13 @@ def host_capacity(n: int) -> str:
 
 
 def _controller_for(la: Launcher, addr: str | None, heartbeat: float, on_output: Any,
-                    encrypt: bool | None = None) -> Controller:
+                    encrypt: bool | None = None, key: bytes | None = None) -> Controller:
     """A Controller bound to ``addr``, where ``la``'s workers can reach it (see
     spawn_procs); ``None``: a local mesh, on Unix sockets only this user can
     connect to. Any TCP endpoint is encrypted and admits only the mesh's
     workers, unless ``encrypt=False``."""
-    ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt)
+    ctl = Controller(bind=addr, heartbeat=heartbeat, on_output=on_output, encrypt=encrypt,
+                     key=key)
     if addr is None:
         return ctl
     if is_wildcard(addr):  # listen everywhere, advertise the address that reaches the hosts
@@ -792,7 +1152,10 @@ def this_host() -> HostMesh:
 def _stop_all() -> None:
     for m in list(_live):
         try:
-            m.stop(timeout=2)
+            if m.detached:  # (a detachable mesh outlives the program that drove it)
+                m.detach(timeout=2)
+            else:
+                m.stop(timeout=2)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
 

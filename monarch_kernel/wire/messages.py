@@ -48,6 +48,10 @@ type                    direction                   content
 ``shm_done``            controller -> worker        :class:`ShmDone`
 ``keys``                controller -> worker        :class:`Keys`
 ``buffer``              worker -> worker            :class:`Buffer`
+``attach``              controller -> worker        :class:`Attach` (on the rank's attach
+                        (attach endpoint)           endpoint; the answer comes back there)
+``detach``              controller -> worker        None (the controller leaves; the rank
+                                                    of a detachable mesh waits for another)
 ``heartbeat``           both ways                   None
 ======================  ==========================  ====================================
 
@@ -105,7 +109,8 @@ else:  # Python 3.10 (typing_extensions comes with torch)
     from typing_extensions import NotRequired
 
 __all__ = [
-    "EXIT_CONTROLLER_GONE", "EXIT_LANE_CLOSED", "EXIT_SILENCE", "WORKER_EXITS",
+    "EXIT_CONTROLLER_GONE", "EXIT_KEEP_ALIVE", "EXIT_LANE_CLOSED", "EXIT_SILENCE",
+    "WORKER_EXITS",
     "heartbeat_timeout", "ACTOR", "BUF_NBYTES", "BUF_ROUTE", "IPC", "KEEP", "METHOD", "ONEWAY",
     "PAYLOAD", "REFS",
     "SOURCES", "UID", "WAITED", "WAIT_ACTOR", "WAIT_CALL", "WAIT_ENTRIES", "WAIT_SEQ",
@@ -123,8 +128,12 @@ EXIT_SILENCE: Final = 85
 EXIT_CONTROLLER_GONE: Final = 86
 #: exit code of a worker whose controller closed its lane (same host)
 EXIT_LANE_CLOSED: Final = 87
+#: exit code of a worker of a detached mesh that no controller attached to within
+#: its keep-alive time
+EXIT_KEEP_ALIVE: Final = 88
 #: why a worker that exited with one of these codes left ("{timeout}": seconds)
 WORKER_EXITS: Final = {
+    EXIT_KEEP_ALIVE: "no controller attached to the detached mesh within its keep-alive",
     EXIT_SILENCE: "no word from the controller for {timeout:.1f} s",
     EXIT_CONTROLLER_GONE: "its controller's process is gone",
     EXIT_LANE_CLOSED: "the controller closed its connection",

@@ -104,7 +104,7 @@ TYPE_CODES: tuple[str, ...] = (
     "buffer", "call", "calls", "debug", "debug_input", "display", "event", "execute",
     "free", "heartbeat", "hello", "interrupt", "keys", "pull", "push", "ref", "replies",
     "reply", "setup", "shm_done", "spawn_actor", "state", "stop", "stop_actor", "stream",
-    "rank_dead",
+    "rank_dead", "attach", "detach",
 )
 #: every message type (:mod:`monarch_kernel.wire.messages` gives the content of each)
 TYPES = frozenset(TYPE_CODES)
@@ -373,6 +373,21 @@ class Codec:
         c = Codec(key, self.sender, self.max_header, self.max_buffers)
         c.pool = self.pool
         return c
+
+    def restart(self, epoch: int) -> None:
+        """Sign from now on as stream ``epoch``, counting from 1 again (a worker of
+        a detachable mesh taken over by a new controller, which gave it
+        ``epoch``); the caller makes sure no other thread signs meanwhile.
+
+        Raises
+        ------
+        ValueError
+            If ``epoch`` is not an integer from 1 to 2**64-1.
+        """
+        if not isinstance(epoch, int) or not 0 < epoch < 1 << 64:
+            raise ValueError(f"an epoch is an integer from 1 to 2**64-1, not {epoch!r}")
+        self.epoch = epoch
+        self._seq = itertools.count(1)
 
     def mark(self) -> int:
         """A sequence number above that of every message this codec signed so

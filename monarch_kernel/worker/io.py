@@ -92,6 +92,8 @@ class WorkerHost(Protocol):
     heartbeat_timeout: float
     controller_pid: int | None
     stopping: threading.Event
+    #: the worker's detachable part (worker.detach), or None: an ordinary worker
+    detach: Any
     actors: dict[str, Any]
 
     def dispatch(self, msg: protocol.Message) -> None:
@@ -294,6 +296,9 @@ class WorkerIO:
 
     def _beat(self, now: float) -> None:
         host = self.host
+        if host.detach is not None:  # a detachable worker never exits for its controller
+            host.detach.beat(now)
+            return
         beat = host.codec.encode("heartbeat")
         dealer = host.dealer
         if host.up is not None or host.lane is not None or dealer is None:
@@ -307,6 +312,9 @@ class WorkerIO:
 
     def _check_silence(self, now: float) -> None:
         if now - self.last_heard > self.host.heartbeat_timeout:
+            if self.host.detach is not None:
+                self.host.detach.lost(f"no word from it for {now - self.last_heard:.1f} s")
+                return
             log.warning("rank %d: no word from the controller for %.1f s; exiting",
                         self.host.rank, now - self.last_heard)
             exit_process(messages.EXIT_SILENCE)

@@ -85,8 +85,9 @@ from monarch_kernel.util.droplog import INTERVAL_S
 from monarch_kernel.wire import exctree, protocol, serialize
 from monarch_kernel.wire import shm as _shm
 from monarch_kernel.wire.serialize import Packed, cuda_ipc, reply_content
-from monarch_kernel.worker import display, handlers, telemetry
+from monarch_kernel.worker import detach, display, handlers, telemetry
 from monarch_kernel.worker.capture import FdCapture
+from monarch_kernel.worker.detach import Detachable
 from monarch_kernel.worker.io import WorkerIO, exit_process
 from monarch_kernel.worker.sched import batch_scheduling
 
@@ -177,6 +178,7 @@ class Worker:
         streams: tuple[int, int, int] | None = None,
     ) -> None:
         self.address = address
+        self.down_address = down_address or ""
         self.pid = os.getpid()  # (a child forked by user code has another: leave_if_forked)
         self.rank = rank
         self.world_size = world_size
@@ -246,6 +248,8 @@ class Worker:
         #: the I/O: the connection to the controller, leader/follower (worker.io)
         self.io = WorkerIO(self)
         self.io_thread = self.io.thread
+        #: set for a worker of a detachable mesh (worker.detach): it outlives its controller
+        self.detach: Detachable | None = None
 
     # ------------------------------------------------------------------ I/O
     @property
@@ -283,6 +287,11 @@ class Worker:
         """Send encoded ``frames`` to the controller (any thread)."""
         self._send_frames(frames)
 
+    def serving(self) -> list[str]:
+        """The ids of the requests the worker's threads serve now, oldest first."""
+        with self._parents_lock:
+            return list(self._parents.values())
+
     # ---------------------------------------------------------------- sending
     def send(self, type: str, content: Any = None, parent: str | None = None) -> None:
         """Send a message to the controller from any thread.
@@ -295,6 +304,9 @@ class Worker:
         SerializationError
             If ``content`` cannot be pickled.
         """
+        if self.detach is not None:  # journalled (and held while detached): worker.detach
+            self.detach.send(type, content, parent)
+            return
         shm = "reply" if type == "reply" and self.controller_pid is not None else None
         with cuda_ipc(shm is not None):  # one receiver on this host: CUDA IPC handles
             # large buffers in pooled files, reused once the controller says shm_done
@@ -371,12 +383,15 @@ class Worker:
     # ----------------------------------------------------------- main thread
     def serve(self) -> int:
         """Run the main loop until a ``stop`` request; returns the exit code."""
+        if self.detach is not None:
+            self.detach.start()
         self.io.start()
-        self.send(
-            "hello",
-            {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-             "down": self.up is not None or self.lane is not None},
-        )
+        hello: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(),
+                                 "host": socket.gethostname(),
+                                 "down": self.up is not None or self.lane is not None}
+        if self.detach is not None:
+            hello["attach"] = self.detach.endpoint
+        self.send("hello", hello)
         self.telemetry = telemetry.start(self, self.telemetry_interval)
         while True:
             try:
@@ -744,6 +759,10 @@ def main(argv: list[str] | None = None) -> int:
         lane_fd=int(lane) if (lane := os.environ.pop("MONARCH_LANE_FD", "")) else None,
         streams=streams,
     )
+    try:
+        w.detach = detach.from_environment(w)
+    except (ValueError, zmq.ZMQError) as e:
+        p.error(f"cannot make this worker detachable: {e}")
     w.telemetry_interval = args.telemetry_interval
     w.io.drops.interval_s = args.drops_every
     w.codec.max_header, w.codec.max_buffers = args.max_header, args.max_buffers

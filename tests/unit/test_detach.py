@@ -1,0 +1,308 @@
+"""Detachable named meshes (spawn_procs(name=, detach=True), attach, steal, keep-alive,
+the output bound): real worker processes, a real controller in a child script that is
+killed or detaches, and this test process attaching as the next controller.
+
+Each test has a registry directory of its own (MONARCH_MESH_REGISTRY) and a mesh name
+of its own, and checks that nothing is left: processes, the mesh's directory, the
+registry record."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+import monarch_kernel as mk
+from monarch_kernel.mesh import registry
+
+#: the child script: a controller that spawns a detachable 4-rank mesh, sets state on
+#: every rank and in an actor, starts a request that prints a numbered line every 50 ms
+#: for 10 s, says so, then (argv[2]) waits to be killed, detaches, or holds the mesh
+CHILD = r"""
+import json, sys, time
+import monarch_kernel as mk
+from monarch_kernel import Actor, endpoint
+
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def incr(self, k=1):
+        self.n += k
+        return self.n
+
+name, mode, keep = sys.argv[1], sys.argv[2], float(sys.argv[3])
+lines = int(sys.argv[4]) if len(sys.argv) > 4 else 200
+m = mk.spawn_procs(4, name=name, detach=True, keep_alive=keep)
+m.exec("state = rank * 7")
+c = m.spawn("counter", Counter)
+c.incr.call(5).get()
+print("PIDS " + json.dumps({"pids": m.record.pids, "dir": m.record.mesh_dir,
+                            "guardian": m.record.guardian_pid}), flush=True)
+if mode != "idle":
+    m.run("import time\n"
+          f"for i in range({lines}):\n"
+          "    print(f'r{rank} line {i} ' + 'x' * 40, flush=True)\n"
+          "    time.sleep(0.05)\n"
+          "'done'")
+print("STARTED", flush=True)
+if mode in ("detach", "idle"):
+    time.sleep(0.5)
+    m.detach()
+    print("DETACHED", flush=True)
+elif mode == "hold":
+    while True:
+        try:
+            m.exec("1")
+        except Exception as e:
+            print("ERROR " + str(e).replace("\n", " "), flush=True)
+            break
+        time.sleep(0.2)
+else:
+    time.sleep(600)
+"""
+
+LINES = 200
+
+
+@pytest.fixture
+def reg(tmp_path, monkeypatch):
+    """A registry directory of the test's own."""
+    d = tmp_path / "reg"
+    monkeypatch.setenv(registry.ENV, str(d))
+    return d
+
+
+def _name() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _workers() -> set[int]:
+    """Pids of the worker processes running on this host."""
+    out = set()
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if "monarch_kernel worker" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE:
+            out.add(p.pid)
+    return out
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Child:
+    """The child controller script (killed at the end, whatever happens)."""
+
+    def __init__(self, name: str, mode: str, keep: float = 60.0, lines: int = LINES,
+                 env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, name, mode, repr(keep), str(lines)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, **(env or {})})
+        self.info: dict = {}
+
+    def read_until(self, prefix: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # (the child prints within the timeout)
+            if not line:
+                raise AssertionError(f"the child ended before printing {prefix!r}")
+            if line.startswith("PIDS "):
+                self.info = json.loads(line[5:])
+                self.info["pids"] = {int(k): v for k, v in self.info["pids"].items()}
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no {prefix!r} from the child within {timeout} s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def child(name: str, mode: str, **kw):
+    c = Child(name, mode, **kw)
+    try:
+        yield c
+    finally:
+        c.kill()
+        info = c.info
+        if info:  # never leave a mesh behind, even when the test failed
+            for pid in info["pids"].values():
+                if _running(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _assert_gone(info: dict, name: str, timeout: float = 15.0) -> None:
+    _wait(lambda: not any(_running(p) for p in info["pids"].values()), timeout,
+          "the ranks to end")
+    _wait(lambda: not os.path.exists(info["dir"]), timeout, "the mesh directory to go")
+    _wait(lambda: registry.load(name) is None, timeout, "the registry record to go")
+    if info.get("guardian"):
+        _wait(lambda: not _running(info["guardian"]), timeout, "the guardian to end")
+
+
+def _follow(m) -> tuple[object, str]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        result = m.follow(timeout=60)
+    return result, buf.getvalue()
+
+
+def _check_lines(out: str, ranks: int = 4, lines: int = LINES) -> None:
+    for r in range(ranks):
+        nums = [int(x) for x in re.findall(rf"r{r} line (\d+) ", out)]
+        assert nums == list(range(lines)), (r, nums[:5], len(nums))
+
+
+def _check_attached(m, info: dict) -> None:
+    assert sorted(m.status()[r]["pid"] for r in range(4)) == sorted(info["pids"].values())
+    assert [p for _, p in sorted(info["pids"].items())] == [
+        row["pid"] for row in m.status()]
+    assert list(m.exec("state").values()) == [0, 7, 14, 21]
+    assert list(m.actors("counter").incr.call(1).get().values()) == [6] * 4
+
+
+@pytest.mark.parametrize("how", ["sigkill", "detach"])
+def test_attach_after_controller_ends(reg, how):
+    """The controller is SIGKILLed (or detaches cleanly) while a request runs: a new
+    controller attaches within 5 s to the same processes, with their state and actor,
+    and follows the request: every line once, in order, then its end."""
+    name = _name()
+    with child(name, "kill" if how == "sigkill" else "detach") as c:
+        c.read_until("STARTED")
+        if how == "sigkill":
+            time.sleep(1.5)
+            c.kill()
+        else:
+            c.read_until("DETACHED")
+            c.proc.wait(30)
+            assert c.proc.returncode == 0
+        t0 = time.monotonic()
+        m = mk.attach(name)
+        took = time.monotonic() - t0
+        try:
+            assert took < 5.0, took
+            assert m.name == name and m.detached
+            [res] = m.resumed
+            assert res.ranks == [0, 1, 2, 3] and res.dropped_bytes == 0
+            _check_attached(m, c.info)
+            result, out = _follow(m)
+            assert list(result.values()) == ["done"] * 4
+            _check_lines(out)
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
+
+
+def test_keep_alive_expiry_leaves_nothing(reg):
+    """With no controller for the keep-alive time, the ranks end and every trace goes."""
+    name = _name()
+    with child(name, "idle", keep=3.0) as c:
+        c.read_until("DETACHED")
+        c.proc.wait(30)
+        assert registry.load(name) is not None
+        [row] = [i for i in registry.list_meshes() if i.name == name]
+        assert row.state == "detached" and row.keep_alive_left_s is not None
+        _assert_gone(c.info, name, timeout=20.0)
+
+
+def test_get_or_spawn_attaches(reg):
+    """spawn_procs with the name of a live mesh attaches to it: no second set of
+    processes; stop_mesh then ends it."""
+    name = _name()
+    with child(name, "idle") as c:
+        c.read_until("DETACHED")
+        c.proc.wait(30)
+        m = mk.spawn_procs(4, name=name, detach=True)
+        try:
+            assert m.attached_existing
+            _check_attached(m, c.info)
+            mine = psutil.Process().children(recursive=True)
+            assert not [p for p in mine if p.pid in _workers()]  # no second set
+            m.detach()
+            with pytest.raises(mk.MeshError, match="detached"):
+                m.exec("1")
+        finally:
+            mk.stop_mesh(name)
+        _assert_gone(c.info, name)
+
+
+def test_second_attach_refused_then_steal(reg):
+    """While its controller lives, a second attach is refused with MeshBusyError naming
+    that controller; steal takes the mesh over and the first controller is told."""
+    name = _name()
+    with child(name, "hold") as c:
+        c.read_until("STARTED")
+        with pytest.raises(mk.MeshBusyError) as e:
+            mk.attach(name, timeout=10)
+        assert e.value.holder_pid == c.proc.pid
+        assert f"pid {c.proc.pid}" in str(e.value) and "steal" in str(e.value)
+        m = mk.attach(name, steal=True, timeout=10)
+        try:
+            line = c.read_until("ERROR", timeout=20)
+            assert f"taken over by pid {os.getpid()}" in line
+            _check_attached(m, c.info)
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
+
+
+def test_output_bound_drops_oldest_and_counts(reg):
+    """Output beyond MONARCH_DETACH_OUTPUT_BYTES is dropped oldest first; the dropped
+    bytes are reported at attach and what is left is the newest, in order."""
+    name = _name()
+    bound = 1500
+    with child(name, "kill", lines=100, env={"MONARCH_DETACH_OUTPUT_BYTES": str(bound)}) as c:
+        c.read_until("STARTED")
+        time.sleep(2.5)  # (about 50 lines of 56 bytes per rank: beyond the bound)
+        c.kill()
+        m = mk.attach(name)
+        try:
+            [res] = m.resumed
+            assert res.dropped_bytes > 0
+            assert res.replayed_bytes <= 4 * bound
+            result, out = _follow(m)
+            assert list(result.values()) == ["done"] * 4
+            for r in range(4):
+                nums = [int(x) for x in re.findall(rf"r{r} line (\d+) ", out)]
+                assert nums and nums[-1] == 99 and nums[0] > 0
+                assert nums == list(range(nums[0], 100))  # the oldest went, in order
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
+
+
+def test_no_name_and_attach_errors(reg):
+    """detach needs a name; attaching to a name nobody runs says how to find meshes."""
+    with pytest.raises(ValueError, match="name"):
+        mk.spawn_procs(1, detach=True)
+    with pytest.raises(mk.NoMeshError, match="no mesh named"):
+        mk.attach("nobody-runs-this")
+    assert not list(Path(os.environ[registry.ENV]).glob("*.json"))
