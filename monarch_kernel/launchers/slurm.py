@@ -77,6 +77,8 @@ from monarch_kernel.launchers.slurm_job import (
     task_script,
     write_key_file,
 )
+from monarch_kernel.mesh import registry
+from monarch_kernel.mesh.registry import MeshRecord
 from monarch_kernel.transport.netaddr import address_towards, primary_address
 
 __all__ = [
@@ -84,6 +86,8 @@ __all__ = [
     "JobInfo",
     "SlurmLauncher",
     "decode_exit",
+    "mesh_alive",
+    "mesh_job_state",
     "parse_scontrol_job",
     "parse_squeue_columns",
     "parse_squeue_json",
@@ -246,6 +250,8 @@ class SlurmLauncher(Launcher):
         unit.detached = self.detach_plan is not None
         if not unit.detached:
             self._guard_unit(unit)
+        else:
+            self._guard_detached(unit)
         with self._lock:
             for r in ranks:
                 old = self._unit_of.get(r)
@@ -259,6 +265,19 @@ class SlurmLauncher(Launcher):
             self._watcher = threading.Thread(target=self._watch, name="monarch-slurm-watch",
                                              daemon=True)
             self._watcher.start()
+
+    def _guard_detached(self, unit: SlurmUnit) -> None:
+        """Have the mesh's detached guardian clean up after ``unit`` ends (the
+        batch job gone from squeue, or the srun of an allocation step exited)."""
+        try:
+            self.guard.ensure()
+        except OSError as e:
+            log.warning("could not start the process that cleans up after the mesh: %s", e)
+            return
+        if unit.proc is None:
+            self.guard.watch_job(unit.job_id)
+        else:
+            self.guard.watch([unit.proc.pid])
 
     def _guard_unit(self, unit: SlurmUnit) -> None:
         """Have the guardian end ``unit`` if this process ends before it does:
@@ -526,8 +545,15 @@ class SlurmLauncher(Launcher):
         a TCP attach endpoint (CurveZMQ, the mesh's key) on the address of its
         node that reaches this host. ``plan``: ``keep_alive`` (seconds a rank
         waits for a controller) and ``output_bytes`` (bytes of output each rank
-        keeps), as :class:`~.local.DetachPlan` has them."""
+        keeps), as :class:`~.local.DetachPlan` has them; its ``mesh_dir`` and
+        ``record`` (the registry file, if it still names ``mesh_id``) are removed
+        by a guardian of the mesh's own on this host once the job ended."""
         self.detach_plan = plan
+        self.guard = Guardian(detached=True)
+        if getattr(plan, "mesh_dir", None):
+            self.guard.remove_on_exit(plan.mesh_dir)
+        if getattr(plan, "record", None):
+            self.guard.remove_file_at_end(plan.record, plan.mesh_id)
 
     def _detach_env(self) -> dict[str, str]:
         plan = self.detach_plan
@@ -547,7 +573,36 @@ class SlurmLauncher(Launcher):
                 unit.detached = True
                 self.guard.drop(unit.step_name)
         self._closing.set()
-        self.guard.close()
+        if self.guard.detached:
+            self.guard.release()  # (it goes on: it cleans up once the job ended)
+        else:
+            self.guard.close()
+
+    def record_fields(self) -> dict[str, Any]:
+        """What the mesh registry records of this launcher's (detachable) mesh: its
+        job (:meth:`mesh_job`) and the settings :meth:`adopt_record` needs."""
+        return {"slurm_job": self.mesh_job(),
+                "extra": {"slurm": {"output": self.output, "job_name": self.job_name,
+                                    "poll_interval": self.poll_interval}}}
+
+    def adopt_record(self, rec: Any) -> None:
+        """Take over the ranks of registry record ``rec`` (a detachable mesh of
+        this launcher's): its ``slurm_job``, ``world_size`` and the settings
+        :meth:`record_fields` kept.
+
+        Raises
+        ------
+        MeshError
+            If the record names no Slurm job.
+        """
+        if not rec.slurm_job:
+            raise MeshError(f"mesh {rec.name!r}: its record names no Slurm job; "
+                            "stop it with scancel and spawn it again")
+        kept = (rec.extra or {}).get("slurm") or {}
+        self.output = str(kept.get("output", self.output))
+        self.job_name = str(kept.get("job_name", self.job_name))
+        self.poll_interval = float(kept.get("poll_interval", self.poll_interval))
+        self.adopt(str(rec.slurm_job), list(range(int(rec.world_size))))
 
     def adopt(self, job: str, ranks: list[int]) -> None:
         """Take over the ranks of running Slurm job ``job`` (attach to a detached
@@ -680,7 +735,10 @@ class SlurmLauncher(Launcher):
             if all(u.ended for u in self.units):
                 self._closing.set()
         if self._closing.is_set():
-            self.guard.close()
+            if self.guard.detached:  # (it sees the job gone, cleans up and exits)
+                self.guard.release()
+            else:
+                self.guard.close()
         if self._closing.is_set() and self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -716,3 +774,28 @@ class SlurmLauncher(Launcher):
         if target is None:
             target = slurmctld_host()
         return (address_towards(target) if target else None) or primary_address()
+
+
+# ------------------------------------------------------------- registry liveness
+#: this user's jobs, one squeue call for every Slurm mesh the registry asks about
+_JOBS = JobTable(ttl=1.0)
+
+
+def mesh_alive(rec: MeshRecord) -> bool:
+    """Whether the Slurm job of registry record ``rec`` is pending or running
+    (``squeue``); True when Slurm cannot be asked (a record is never dropped
+    because slurmctld did not answer)."""
+    alive = _JOBS.alive(rec.slurm_job)
+    return True if alive is None else alive
+
+
+def mesh_job_state(rec: MeshRecord) -> str | None:
+    """``squeue``'s state of the job of ``rec`` (``RUNNING``, ``PENDING``, ...,
+    ``GONE`` once it is listed no more); None when Slurm cannot be asked."""
+    if not rec.slurm_job:
+        return "GONE"
+    info = _JOBS.get(rec.slurm_job)
+    return None if info is None else info.state
+
+
+registry.register_liveness("slurm", mesh_alive, mesh_job_state)

@@ -236,10 +236,16 @@ def test_a_detached_job_is_never_cancelled_with_its_controller(monkeypatch, tmp_
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     la = _Recorder(key_dir=str(tmp_path), output="/tmp/out-%u-%j.txt")
     la._watcher = _AliveThread()
-    la.make_detachable(types.SimpleNamespace(keep_alive=60, output_bytes=1000))
+    la.make_detachable(types.SimpleNamespace(keep_alive=60, output_bytes=1000,
+                                             mesh_dir=None, record="/r/x.json", mesh_id="m1"))
+    told = []
+    la.guard.ensure = lambda: False  # (no guardian process in a unit test)
+    la.guard._write = told.append
     la.launch(_spec({"hosts": 1, "procs": 2}))
     cmd, script, _ = la.calls[0]
-    assert la.guard.proc is None and not la.guard._onexit  # nothing to run at our exit
+    # the mesh's own guardian: it cancels nothing, it cleans up once the job is gone
+    assert la.guard.detached and told == ["job 4242"]
+    assert not any("scancel" in line for line in la.guard._onexit.values())
     assert la.units[0].detached
     (keyfile,) = tmp_path.iterdir()
     assert "trap cleanup EXIT" in script and "exec srun" not in script
@@ -257,7 +263,7 @@ def test_a_detached_job_is_never_cancelled_with_its_controller(monkeypatch, tmp_
                    check=True, timeout=30)
     assert not out.exists() and not keyfile.exists()
     la.release()
-    assert la._closing.is_set()
+    assert la._closing.is_set() and la.guard.proc is None
 
 
 def test_an_attached_job_is_guarded_as_before(monkeypatch):
