@@ -6,11 +6,12 @@
     a registry directory that belongs to another user is refused.
 (b) A detached local mesh: its attach endpoints are Unix sockets in the
     mesh's own 0700 directory: the other user's connect fails with EACCES.
-(c) A detached TCP mesh: the attach endpoint is a CurveZMQ server that
-    admits only the mesh's client key (derived from the mesh key): the other
-    user, even given the endpoint and the server's public key, is refused at
-    the handshake, and an attach request signed with another key gets no
-    answer; the owner's controller goes on using the mesh.
+(c) A detached TCP mesh (over the one-node Slurm): the attach endpoint is a
+    CurveZMQ server that admits only the mesh's client key (derived from the
+    mesh key): the other user, even given the endpoint and the server's
+    public key, is refused at the handshake; without CURVE no handshake
+    completes; an attach request signed with another key gets no answer;
+    the owner's controller goes on using the mesh.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from other_user import other_user  # noqa: E402
+from test_slurm import slurm  # noqa: E402, F401 - the one-node Slurm fixture
 
 from monarch_kernel.mesh import registry  # noqa: E402
 
@@ -147,6 +149,7 @@ def test_another_user_cannot_connect_to_a_detached_local_mesh(open_parent):
 
 
 TCP_ATTACH = r'''
+from zmq.utils.monitor import recv_monitor_message
 from monarch_kernel.wire import protocol
 args = json.loads(ARGS)
 ctx = zmq.Context()
@@ -154,38 +157,49 @@ out = {}
 for mode in ("curve", "null"):
     d = ctx.socket(zmq.DEALER)
     d.linger = 0
-    if mode == "curve":  # the server's public key, leaked; a client key of its own
-        public, secret = zmq.curve_keypair()
+    mon = d.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    if mode == "curve":  # the server's public key, leaked; a client key pair of its own
         d.curve_serverkey = args["server_key"].encode()
-        d.curve_publickey, d.curve_secretkey = public, secret
+        d.curve_publickey, d.curve_secretkey = zmq.curve_keypair()
     d.connect(args["endpoint"])
     codec = protocol.Codec(protocol.new_key(), "ctl")
     d.send_multipart(codec.encode("attach", {"t": time.time(), "steal": True,
                                              "pid": os.getpid(), "host": "x"}))
-    out[mode] = "answered" if d.poll(3000) else "no answer"
+    event = recv_monitor_message(mon)["event"] if mon.poll(3000) else None
+    out[mode] = {"handshake": {zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded",
+                               zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}.get(event, "none"),
+                 "answer": bool(d.poll(2000))}
+    d.disable_monitor()
+    mon.close(0)
     d.close(0)
 print(json.dumps(out))
 '''
 
 
+@pytest.mark.usefixtures("slurm")
 def test_another_user_cannot_attach_to_a_tcp_mesh_without_the_key(open_parent):
+    """A Slurm mesh (TCP attach endpoints): the other user knows the endpoint
+    and even the server's public key, but not the mesh key."""
     from monarch_kernel import spawn_procs
     from monarch_kernel.transport.sockets import curve_attach_keypair
 
-    m = spawn_procs(2, name="du-tcp", detach=True, keep_alive=60, timeout=60,
-                    bind="127.0.0.1")
+    m = spawn_procs(2, launcher="slurm", name="du-tcp", detach=True, keep_alive=60,
+                    timeout=90)
     try:
         rec = registry.load("du-tcp")
-        assert rec is not None
+        assert rec is not None and rec.slurm_job
         endpoint = rec.endpoints[0]
         assert endpoint.startswith("tcp://"), rec.endpoints
         server_key = curve_attach_keypair(bytes.fromhex(rec.key_hex))[0].decode()
         code = TCP_ATTACH.replace("ARGS", repr(json.dumps({"endpoint": endpoint,
                                                            "server_key": server_key})))
         with other_user() as u:
-            cp = u.python(code, imports=_IMPORTS + "\nimport monarch_kernel.wire.protocol")
+            cp = u.python(code, imports=_IMPORTS + "\nimport zmq.utils.monitor\n"
+                          "import monarch_kernel.wire.protocol")
         assert cp.returncode == 0, cp.stderr
-        assert json.loads(cp.stdout) == {"curve": "no answer", "null": "no answer"}
+        assert json.loads(cp.stdout) == {
+            "curve": {"handshake": "refused", "answer": False},  # ZAP: not the mesh's key
+            "null": {"handshake": "none", "answer": False}}  # no CURVE: no handshake at all
         assert m.exec("rank").values() == [0, 1]  # the owner's controller is untouched
     finally:
         with contextlib.suppress(Exception):

@@ -379,6 +379,45 @@ def registry_dir(tmp_path, monkeypatch):
     return path
 
 
+def _handshake(endpoint: str, server_key: bytes, client: tuple[bytes, bytes]) -> str:
+    """The outcome of a CurveZMQ handshake with ``endpoint`` as client ``client``
+    (public, secret): ``"succeeded"``, ``"refused"`` (the server's ZAP handler
+    said no) or ``"none"`` (nothing within 5 s)."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    mon = d.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        d.linger = 0
+        d.curve_serverkey = server_key
+        d.curve_publickey, d.curve_secretkey = client
+        d.connect(endpoint)
+        if not mon.poll(5000):
+            return "none"
+        event = recv_monitor_message(mon)["event"]
+        return "succeeded" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    finally:
+        d.disable_monitor()
+        mon.close(0)
+        d.close(0)
+        ctx.term()
+
+
+def _check_attach_endpoint_curve(rec) -> None:
+    """Rank 0's attach endpoint completes a CurveZMQ handshake with the mesh's
+    client key only: a stranger's key pair is refused by its ZAP handler."""
+    import zmq
+
+    from monarch_kernel.transport.sockets import curve_attach_keypair, curve_client_keypair
+
+    key = bytes.fromhex(rec.key_hex)
+    server = curve_attach_keypair(key)[0]
+    assert _handshake(rec.endpoints[0], server, zmq.curve_keypair()) == "refused"
+    assert _handshake(rec.endpoints[0], server, curve_client_keypair(key)) == "succeeded"
+
+
 def test_a_detached_mesh_outlives_its_killed_controller_and_attach_finds_it(
         slurm, tmp_path, registry_dir):
     """Detach over Slurm: the controller is SIGKILLed, the job runs on; attach
@@ -394,8 +433,11 @@ def test_a_detached_mesh_outlives_its_killed_controller_and_attach_finds_it(
         time.sleep(2)  # longer than a heartbeat timeout would allow a guarded mesh
         assert job in _jobs() and all(psutil.pid_exists(p) for p in pids)
         (row,) = [r for r in registry.list_meshes() if r.name == "sd-kill"]
-        assert (row.state, row.launcher, row.slurm_job) == ("detached", "slurm", job), row
-        assert getattr(row, "slurm_state", "RUNNING") == "RUNNING"
+        assert (row.state, row.launcher, row.slurm_job, row.job_state) == (
+            "detached", "slurm", job, "RUNNING"), row
+        rec = registry.load("sd-kill")
+        assert rec is not None and rec.guardian_pid and psutil.pid_exists(rec.guardian_pid)
+        _check_attach_endpoint_curve(rec)
         t0 = time.monotonic()
         m = monarch_kernel.attach("sd-kill", timeout=30)
         took = time.monotonic() - t0
@@ -411,6 +453,7 @@ def test_a_detached_mesh_outlives_its_killed_controller_and_attach_finds_it(
         assert _job_gone(job)
         assert registry.load("sd-kill") is None
         assert not any(psutil.pid_exists(p) for p in pids)
+        wait_for(lambda: not psutil.pid_exists(rec.guardian_pid), 15, what="its guardian gone")
         assert not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists()
     finally:
         if job in _jobs():
@@ -429,6 +472,9 @@ def test_keep_alive_expiry_ends_the_job_and_list_forgets_it(slurm, tmp_path, reg
         wait_for(lambda: _job_gone(job), 90, what=f"job {job} ended by its keep-alive")
         print(f"job gone {time.monotonic() - t0:.1f} s after a 6 s keep-alive began")
         wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 10, what="ranks gone")
+        # the mesh's guardian (on this host) saw the job gone and removed the record
+        wait_for(lambda: not (registry_dir / "sd-expire.json").exists(), 15,
+                 what="the record removed by the mesh's guardian")
         rows = [r for r in registry.list_meshes() if r.name == "sd-expire"]
         assert [r.state for r in rows] in ([], ["gone"])
         assert registry.load("sd-expire") is None  # removed as the listing found it gone
