@@ -333,9 +333,11 @@ class SlurmLauncher(Launcher):
         job_id = os.environ.get("SLURM_JOB_ID", "")
         if not job_id:
             raise MeshError("allocation=True needs SLURM_JOB_ID (run inside salloc or sbatch)")
-        if self._tmpdir is None:
+        where = getattr(self.detach_plan, "mesh_dir", None)  # (its guardian removes it)
+        if where is None and self._tmpdir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="monarch-slurm-")
-        fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out", dir=self._tmpdir)
+        fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out",
+                                      dir=where or self._tmpdir)
         cmd = srun_command(job_id, step_name, geometry(spec, ranks, self.nodes),
                            self.gpus_per_node, self.extra_args,
                            task_script(spec, ranks, key_file, self.python,

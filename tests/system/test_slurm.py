@@ -484,3 +484,50 @@ def test_keep_alive_expiry_ends_the_job_and_list_forgets_it(slurm, tmp_path, reg
     finally:
         if job in _jobs():
             _sh("scancel", job)
+
+
+def test_inside_an_allocation_a_detached_step_outlives_its_controller(slurm, tmp_path,
+                                                                      registry_dir):
+    """A detached mesh started as a step of the user's allocation: the step
+    survives its killed controller; attach from outside adopts the step, and
+    stopping the mesh cancels that step only (the allocation stays)."""
+    import monarch_kernel
+    import monarch_kernel.launchers  # noqa: F401 - registers squeue liveness for Slurm records
+    from monarch_kernel.mesh import registry
+
+    driver = tmp_path / "spawn_detached.py"
+    driver.write_text(DETACH_DRIVER)
+    name = f"monarch-alloc-{os.getpid()}"
+    salloc = subprocess.Popen(["salloc", "-n2", "-J", name, "bash", "-c",
+                               f"{sys.executable} {driver} sd-alloc 120 kill; sleep 120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    try:
+        line = ""
+        while not line.startswith("INFO "):
+            line = salloc.stdout.readline()  # type: ignore[union-attr]
+            assert line, "the driver ended without spawning"
+        import json
+
+        info = json.loads(line.split(" ", 1)[1])
+        job, pids = info["job"], info["pids"]
+        alloc = job.split(".")[0]
+        assert "." in job and alloc in _jobs(name), info  # JOB.STEP of the allocation
+        time.sleep(2)
+        assert all(psutil.pid_exists(p) for p in pids)
+        (row,) = [r for r in registry.list_meshes() if r.name == "sd-alloc"]
+        assert (row.state, row.slurm_job) == ("detached", job)
+        m = monarch_kernel.attach("sd-alloc", timeout=30)
+        try:
+            assert m.exec("os.getpid()").values() == pids
+            assert m.exec("counter").values() == [1, 11]
+        finally:
+            m.stop()
+        assert registry.load("sd-alloc") is None
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 20, what="ranks gone")
+        assert alloc in _jobs(name)  # the allocation itself stays
+    finally:
+        for j in _jobs(name):
+            _sh("scancel", j)
+        salloc.kill()
+        salloc.wait(30)
