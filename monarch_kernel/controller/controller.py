@@ -792,6 +792,8 @@ class Controller:
         Returns the bytes of output the rank dropped per request id."""
         info = self.ranks[rank]
         dropped: dict[str, int] = {}
+        for name, text in state.get("background") or ():  # (printed by no request)
+            self.output.deliver(rank, name, text, None)
         for rid, r in (state.get("requests") or {}).items():
             rid = str(rid)
             with self._lock:

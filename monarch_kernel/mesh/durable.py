@@ -47,6 +47,7 @@ from monarch_kernel.mesh import registry
 from monarch_kernel.mesh.registry import MeshRecord
 from monarch_kernel.transport.sockets import curve_attach_keypair, curve_client_keypair
 from monarch_kernel.wire import protocol
+from monarch_kernel.wire.messages import Attach
 
 __all__ = ["Resumed", "adopted_launcher", "attach_ranks", "mesh_dir", "register_adopter"]
 
@@ -132,9 +133,13 @@ def mesh_dir() -> str:
                     "temporary directory)")
 
 
-def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) -> None:
+def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float,
+                 holder_gone: dict[str, Any] | None = None) -> None:
     """Hand every rank of ``rec`` over to ``ctl`` (steps 2-3 of the module docstring;
     ``ctl`` has :meth:`Controller.expect`-ed them and listens for their hellos).
+    ``holder_gone``: the controller (``{"pid", "host"}``) this side saw is gone;
+    a rank that still counts it as its holder (a rank on another host, which
+    cannot look, within its heartbeat timeout) lets go of it at once.
 
     Raises
     ------
@@ -148,7 +153,7 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
     key = bytes.fromhex(rec.key_hex)
     codec = protocol.Codec(key, "ctl")
     floor = ctl.codec.mark()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     socks: dict[int, zmq.Socket] = {}
     poller = zmq.Poller()
     try:
@@ -166,11 +171,12 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
             s.connect(endpoint)
             socks[r] = s
             poller.register(s, zmq.POLLIN)
-            content = {"up": ctl.address, "down": ctl.down_address,
+            content: Attach = {"up": ctl.address, "down": ctl.down_address,
                        "curve_server_key": ctl.curve_public_key,
                        "ctl_epoch": ctl.codec.epoch, "floor": floor,
                        "rank_epoch": ctl.ranks[r].epoch, "steal": steal,
-                       "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}
+                       "pid": os.getpid(), "host": socket.gethostname(), "t": time.time(),
+                       "holder_gone": holder_gone}
             s.send_multipart(codec.encode("attach", content), copy=False)
         answers: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
@@ -181,7 +187,7 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float) 
                 missing = sorted(set(socks) - set(answers))
                 raise TimeoutError(f"mesh {rec.name!r}: ranks {missing} did not answer the "
                                    f"attach request within {timeout:g} s")
-            for s, _ in poller.poll(min(left, 0.5) * 1000):
+            for s, _ in poller.poll(int(min(left, 0.5) * 1000) + 1):
                 try:
                     msg = codec.decode(s.recv_multipart(copy=False))
                 except ProtocolError:

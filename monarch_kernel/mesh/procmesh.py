@@ -666,11 +666,17 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
         ctl.expect(world, local=la.local)
         states = HelloStates(ctl, world)
         ctl.listeners.append(states)
-        ctl.poll_exits = la.poll
         la.attach(ctl)
-        durable.attach_ranks(ctl, rec, steal, timeout)
+        gone = rec.controller if rec.controller and not registry.controller_alive(rec) \
+            else None
+        durable.attach_ranks(ctl, rec, steal, timeout, holder_gone=gone)
         ctl.wait_ready(world, timeout)
         states.wait(world, timeout)
+        pids = {r: int(i.pid) for r, i in ctl.ranks.items() if i.pid}
+        known = getattr(la, "pids", None)
+        if isinstance(known, dict):
+            known.update(pids)  # (what the ranks said: the record may be older)
+        ctl.poll_exits = la.poll
         ctl.listeners.remove(states)
         ctl.settle_resumed()
         mesh.resumed = states.resumed()
@@ -718,9 +724,20 @@ def _watch_take_over(mesh: ProcMesh) -> None:
 
     def listener(kind: str, rank: int, payload: Any) -> None:
         m = ref()
-        if (m is not None and kind == "event" and isinstance(payload, dict)
-                and payload.get("kind") == "taken_over"):
+        if m is None or not isinstance(payload, dict):
+            return
+        if kind == "event" and payload.get("kind") == "taken_over":
             m._taken_over(payload.get("pid"), payload.get("host"))
+        elif kind == "hello" and m.record is not None and payload.get("pid"):
+            rec = m.record  # a restarted rank: the record names its new process
+            if rec.pids.get(rank) != payload["pid"]:
+                rec.pids[rank] = int(payload["pid"])
+                if payload.get("attach"):
+                    rec.endpoints[rank] = str(payload["attach"])
+                cur = registry.load(rec.name)
+                if cur is not None and cur.mesh_id == rec.mesh_id:
+                    cur.pids, cur.endpoints = dict(rec.pids), dict(rec.endpoints)
+                    registry.save(cur)
 
     mesh.controller.listeners.append(listener)
 
@@ -850,11 +867,11 @@ def spawn_procs(
             if not attach_existing:
                 raise MeshError(f"a mesh named {name!r} is running already; attach to it "
                                 f"(monarch_kernel.attach({name!r})) or stop it first")
-            mesh = attach(name, timeout=timeout, on_output=on_output)
-            mesh.attached_existing = True
+            found = attach(name, timeout=timeout, on_output=on_output)
+            found.attached_existing = True
             print(f"[monarch] mesh {name!r} is running already: attached to it "
-                  f"({len(mesh)} ranks)", file=sys.stderr, flush=True)
-            return mesh
+                  f"({len(found)} ranks)", file=sys.stderr, flush=True)
+            return found
         if rec is not None:
             registry.remove(name, rec.mesh_id)
     sh, la, addr = check_spawn(

@@ -114,7 +114,8 @@ __all__ = [
     "heartbeat_timeout", "ACTOR", "BUF_NBYTES", "BUF_ROUTE", "IPC", "KEEP", "METHOD", "ONEWAY",
     "PAYLOAD", "REFS",
     "SOURCES", "UID", "WAITED", "WAIT_ACTOR", "WAIT_CALL", "WAIT_ENTRIES", "WAIT_SEQ",
-    "ActorErrorEvent", "Buffer", "Call", "Calls", "Debug", "DebugInput", "Display", "Execute",
+    "ActorErrorEvent", "Attach", "Buffer", "Call", "Calls", "Debug", "DebugInput", "Display",
+    "Execute",
     "Failure", "Free", "Hello", "Keys", "Pull", "Push", "RankDead", "Ref", "Replies", "Reply",
     "Setup", "ShmDone", "SpawnActor", "SpawnReply", "State", "StopActor", "Stream",
     "SupervisionEvent", "WaitNotice",
@@ -177,6 +178,26 @@ class Hello(TypedDict):
     pid: int
     host: str  # the worker's host name
     down: bool  # it reads its controller through a relay or a lane (not the DEALER)
+
+
+class Attach(TypedDict):
+    """``attach``: a controller takes a rank of a detachable mesh over (sent to the
+    rank's attach endpoint, signed with the mesh key; see
+    :mod:`monarch_kernel.worker.detach`). The rank answers with an ``attach``
+    message too: ``{"ok": True, "pid": int}``, ``{"ok": False, "busy": True,
+    "holder": {"pid", "host"}}`` or ``{"ok": False, "error": str}``."""
+
+    up: str  # the controller's endpoint for worker -> controller traffic
+    down: str  # ... and for controller -> worker traffic
+    curve_server_key: bytes | None  # its CurveZMQ public key (TCP), or None
+    ctl_epoch: int  # the controller's epoch: only its messages are accepted from now on
+    floor: int  # ... above this sequence number
+    rank_epoch: int  # the epoch the rank signs with from now on
+    steal: bool  # take the rank over even from a live controller (which is told)
+    pid: int  # the controller's pid
+    host: str  # ... and host
+    t: float  # epoch seconds; an attach no newer than the last one accepted is refused
+    holder_gone: dict[str, Any] | None  # {pid, host}: a holder the controller saw is gone
 
 
 class Failure(TypedDict):

@@ -16,9 +16,11 @@ from an ordinary one in four ways:
   request while the request runs, and after it finished until a controller
   had its reply: a controller that was killed may never have shown its
   last messages, so a new one replays each unfinished request's output from
-  its start. All of it is bounded by ``MONARCH_DETACH_OUTPUT_BYTES`` bytes
-  (default 8 MiB) per rank: beyond that the oldest output goes first and
-  the dropped bytes are counted (per request and in all) and reported.
+  its start; output of no request (a background thread's) is kept while
+  detached, and shown as background output at attach. All of it is bounded
+  by ``MONARCH_DETACH_OUTPUT_BYTES`` bytes (default 8 MiB) per rank: beyond
+  that the oldest output goes first and the dropped bytes are counted (per
+  request and in all) and reported.
 * Every message to the controller is encoded and sent under one lock
   (:attr:`Detachable.lock`), so that a take-over is atomic with respect to
   output: what was journalled before it is in the hello the new controller
@@ -205,8 +207,9 @@ class Detachable:
             If ``content`` cannot be pickled.
         """
         with self.lock:
-            if type == "stream" and parent:
-                self._keep(parent, content["name"], content["text"])
+            if type == "stream" and (parent or self.detached):
+                # (output of no request is kept only while detached, under "")
+                self._keep(parent or "", content["name"], content["text"])
             elif type == "reply" and parent:
                 self.journal.setdefault(parent, _Entry()).reply = content
             elif type == "replies":
@@ -323,6 +326,11 @@ class Detachable:
             now = time.monotonic()
             held = (not self.detached and now - w.io.last_heard < w.heartbeat_timeout
                     and _holder_alive(self.holder))
+            gone = c.get("holder_gone")
+            if held and isinstance(gone, dict) and self.holder is not None and (
+                    gone.get("pid") == self.holder.get("pid")
+                    and gone.get("host") == self.holder.get("host")):
+                held = False  # (its host saw it gone; this one cannot look)
             if held and not c.get("steal"):
                 return {"ok": False, "busy": True, "holder": self.holder}
             if held:  # taken over: the old controller is told, then left
@@ -349,7 +357,7 @@ class Detachable:
             self.send("hello", {"rank": w.rank, "pid": os.getpid(),
                                 "host": socket.gethostname(), "down": True,
                                 "attach": self.endpoint, "resume": state}, None)
-            for p in [p for p, e in self.journal.items() if e.reply is not None]:
+            for p in [p for p, e in self.journal.items() if e.reply is not None or not p]:
                 self._forget(p)  # (handed over in the hello)
             self.dropped = 0
             return {"ok": True, "pid": os.getpid()}
@@ -362,7 +370,10 @@ class Detachable:
         queued = [m.id for m in list(w.requests.queue) if m is not None]
         for pid_ in [*serving, *queued]:
             running.setdefault(pid_, {"output": [], "dropped": 0, "finished": False})
+        background = self.journal.get("")
         for p, e in self.journal.items():
+            if not p:
+                continue
             running[p] = {"output": list(e.chunks), "dropped": e.dropped,
                           "finished": e.reply is not None, "reply": e.reply}
         paused = False
@@ -371,6 +382,7 @@ class Detachable:
         except Exception:  # noqa: BLE001 - telemetry is optional here
             pass
         state: dict[str, Any] = {"pid": os.getpid(), "requests": running,
+                                 "background": list(background.chunks) if background else [],
                                  "dropped": self.dropped, "paused": paused,
                                  "bound": self.bound}
         for fn in _reporters:

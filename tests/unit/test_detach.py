@@ -22,9 +22,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 
 import monarch_kernel as mk
 from monarch_kernel.mesh import registry
+from monarch_kernel.wire import protocol
 
 #: the child script: a controller that spawns a detachable 4-rank mesh, sets state on
 #: every rank and in an actor, starts a request that prints a numbered line every 50 ms
@@ -306,3 +308,119 @@ def test_no_name_and_attach_errors(reg):
     with pytest.raises(mk.NoMeshError, match="no mesh named"):
         mk.attach("nobody-runs-this")
     assert not list(Path(os.environ[registry.ENV]).glob("*.json"))
+
+
+def test_request_finished_while_detached(reg):
+    """A request that ends while no controller is attached: its output and its reply
+    are kept, and follow() shows the output and returns the values."""
+    name = _name()
+    with child(name, "kill", lines=20) as c:
+        c.read_until("STARTED")
+        time.sleep(0.3)
+        c.kill()
+        time.sleep(2.0)  # (20 lines of 50 ms: it ends meanwhile)
+        m = mk.attach(name)
+        try:
+            [res] = m.resumed
+            assert res.finished_while_detached and res.finished_ranks == [0, 1, 2, 3]
+            result, out = _follow(m)
+            assert list(result.values()) == ["done"] * 4
+            _check_lines(out, lines=20)
+            assert m.follow() is None  # (nothing left to follow)
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
+
+
+def test_same_process_detach_attach_and_stop(reg):
+    """The spawning process detaches and attaches again (no busy refusal: it left on
+    purpose), and a detachable mesh stopped by its spawner leaves nothing."""
+    name = _name()
+    m = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.exec("v = rank + 100")
+        m.detach()
+        m2 = mk.attach(name, timeout=10)
+        assert list(m2.exec("v").values()) == [100, 101]
+        m2.detach()
+        m3 = mk.spawn_procs(2, name=name, detach=True)  # get-or-spawn, same process
+        assert m3.attached_existing
+        m3.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
+    m4 = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m4.record.pids), "dir": m4.record.mesh_dir,
+            "guardian": m4.record.guardian_pid}
+    m4.stop()  # (the spawner's own stop)
+    _assert_gone(info, name)
+
+
+def test_attach_endpoint_refuses_stale_and_foreign_requests(reg):
+    """A rank's attach endpoint answers an attach signed with the mesh key but no newer
+    than the last one it accepted with a refusal (a replay), ignores one signed with
+    another key, and the mesh is untouched by either."""
+    name = _name()
+    m = mk.spawn_procs(1, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    rec = m.record
+    try:
+        m.exec("v = 5")
+        m.detach()
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(rec.endpoints[0])
+        try:
+            content = {"up": "ipc:///nonexistent/up", "down": "ipc:///nonexistent/down",
+                       "curve_server_key": None, "ctl_epoch": 1, "floor": 0, "rank_epoch": 1,
+                       "steal": True, "pid": 1, "host": "elsewhere", "t": 0.0}
+            foreign = protocol.Codec(protocol.new_key(), "ctl")
+            s.send_multipart(foreign.encode("attach", content))
+            assert not s.poll(500)  # (a wrong key: dropped, no answer)
+            codec = protocol.Codec(bytes.fromhex(rec.key_hex), "ctl")
+            s.send_multipart(codec.encode("attach", content))
+            assert s.poll(5000)
+            answer = codec.decode(s.recv_multipart()).content
+            assert not answer["ok"] and "stale" in answer["error"]
+        finally:
+            s.close(0)
+        m2 = mk.attach(name, timeout=10)
+        assert list(m2.exec("v").values()) == [5]
+        m2.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
+
+
+def test_background_output_while_detached_is_shown_at_attach(reg):
+    """What a rank's background thread prints while no controller is attached reaches
+    the next controller's on_output."""
+    name = _name()
+    m = mk.spawn_procs(1, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.exec("import threading, time\n"
+               "def later():\n"
+               "    time.sleep(1.0)\n"
+               "    print('from the background', flush=True)\n"
+               "threading.Thread(target=later).start()")
+        m.detach()
+        time.sleep(2.0)
+        got: list[str] = []
+        m2 = mk.attach(name, timeout=10, on_output=lambda r, n, t: got.append(t))
+        _wait(lambda: "from the background" in "".join(got), 10, "the background line")
+        m2.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)

@@ -43,7 +43,7 @@ def test_every_type_has_a_row_in_the_schema_table():
 
 def test_type_codes_of_existing_types_stay():
     assert protocol.TYPE_CODES[:len(CODES_V2)] == CODES_V2
-    assert protocol.TYPE_CODES[len(CODES_V2):] == ("rank_dead",)
+    assert protocol.TYPE_CODES[len(CODES_V2):] == ("rank_dead", "attach", "detach")
     assert len(set(protocol.TYPE_CODES)) == len(protocol.TYPE_CODES) < 255
 
 
