@@ -26,8 +26,9 @@ from an ordinary one in four ways:
   output: what was journalled before it is in the hello the new controller
   gets, what comes after it is sent to the new controller.
 * It binds an *attach endpoint* (a ROUTER: ``ipc://`` in the mesh's own
-  0700 directory for a local mesh; ``tcp://`` for others), read by the
-  thread that leads the I/O. A controller sends it one signed ``attach``
+  0700 directory for a local mesh; ``tcp://`` for others, a CurveZMQ server
+  that admits only the mesh's client key), read by the thread that leads
+  the I/O. A controller sends it one signed ``attach``
   message (:class:`AttachRequest`): its endpoints, the controller's new
   epoch and sequence floor, the epoch the rank signs with from then on,
   ``steal``, and the controller's pid and host. The worker refuses when a
