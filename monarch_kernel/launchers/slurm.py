@@ -284,7 +284,8 @@ class SlurmLauncher(Launcher):
         SIGTERM to its tasks at once, SIGKILL to its step ``guard.grace`` seconds
         later (a task stuck in C code can run neither its Python watchdog nor a
         SIGTERM handler; a signalled step ends at once, a cancelled job only
-        after Slurm's KillWait), then cancel the batch job."""
+        after Slurm's KillWait), then cancel the batch job and remove its output
+        and key files."""
         if unit.proc is None:  # a batch job: its one srun is step 0 (until we know better)
             job = unit.job_id
             step = f"{job}.{unit.step or 0}"
@@ -297,6 +298,8 @@ class SlurmLauncher(Launcher):
         else:  # a step whose id is not known yet: srun passes SIGTERM on to its tasks
             term = [["kill", "-TERM", str(unit.proc.pid)]]
             kill = [["kill", "-KILL", str(unit.proc.pid)]]
+        # (the output and key files this process would have removed at stop)
+        kill += [["rm", "-f", "--", path] for path in (unit.output, unit.key_file) if path]
         try:
             self.guard.ensure()
         except OSError as e:

@@ -266,6 +266,8 @@ def test_a_rank_stuck_in_c_code_ends_when_the_kernel_is_killed(slurm):
         print(f"over Slurm, GIL-bound ranks ended {took:.2f} s after the kernel's SIGKILL")
         assert took < 10.0
         wait_for(lambda: _job_gone(job), 30, what=f"job {job} cancelled")
+        wait_for(lambda: not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists(), 10,
+                 what="the job's output file removed by the kernel's guardian")
     finally:
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):
