@@ -313,9 +313,11 @@ class SlurmLauncher(Launcher):
         # a detached job removes its own files: no controller may be left to do it
         cleanup = ([self.output.replace("%u", getpass.getuser()), *filter(None, [key_file])]
                    if self.detach_plan is not None else [])
+        # (a rank at the end of its keep-alive cancels the job: ranks stuck in C code too)
         script = batch_script(spec, ranks, step_name, geom,
                               task_script(spec, ranks, key_file, self.python,
-                                          self._detach_env()), cleanup)
+                                          self._detach_env(), self._on_keep_alive(False)),
+                              cleanup)
         cmd = sbatch_command(self.job_name, self.output, geom, self.extra_args, {
             "--partition": self.partition, "--time": self.time, "--account": self.account,
             "--gpus-per-node": self.gpus_per_node})
@@ -344,7 +346,7 @@ class SlurmLauncher(Launcher):
         cmd = srun_command(job_id, step_name, geometry(spec, ranks, self.nodes),
                            self.gpus_per_node, self.extra_args,
                            task_script(spec, ranks, key_file, self.python,
-                                       self._detach_env()),
+                                       self._detach_env(), self._on_keep_alive(True)),
                            overlap=slurm_version() >= (20, 11))
         try:
             proc = subprocess.Popen(cmd, env=job_env(spec, key_file), stdin=subprocess.DEVNULL,
@@ -568,6 +570,14 @@ class SlurmLauncher(Launcher):
                 "MONARCH_DETACH_KEEP_ALIVE": repr(float(plan.keep_alive)),
                 "MONARCH_DETACH_OUTPUT_BYTES": str(int(plan.output_bytes)),
                 "MONARCH_DETACH_HOLDER": f"{os.getpid()}@{socket.gethostname()}"}
+
+    def _on_keep_alive(self, step: bool) -> str | None:
+        """What a task runs when its rank's keep-alive passed (detached meshes):
+        cancel the batch job, or the step of the user's allocation."""
+        if self.detach_plan is None:
+            return None
+        return ('scancel "$SLURM_JOB_ID.$SLURM_STEP_ID"' if step
+                else 'scancel "$SLURM_JOB_ID"')
 
     def release(self) -> None:
         """Leave the job running without this controller: stop watching it, and

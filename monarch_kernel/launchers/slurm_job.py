@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from monarch_kernel.launchers.base import LaunchSpec, worker_command
+from monarch_kernel.wire.messages import EXIT_KEEP_ALIVE
 
 __all__ = [
     "SlurmUnit",
@@ -77,10 +78,15 @@ class SlurmUnit:
 
 
 def task_script(spec: LaunchSpec, ranks: list[int], key_file: str | None,
-                python: str | None, env: dict[str, str] | None = None) -> str:
+                python: str | None, env: dict[str, str] | None = None,
+                on_keep_alive: str | None = None) -> str:
     """The bash script each task of the step runs (``bash -c``) for ``ranks``;
     ``env``: variables every task exports (not secrets: the script is kept by
-    Slurm, readable by its administrators)."""
+    Slurm, readable by its administrators). With ``on_keep_alive`` (a shell
+    command; a detached mesh's) the worker is not ``exec``-ed: when it exits
+    with :data:`~monarch_kernel.wire.messages.EXIT_KEEP_ALIVE` (no controller
+    within its keep-alive) the command runs, e.g. cancelling what is left of
+    the job (a rank stuck in C code cannot run its own keep-alive check)."""
     cmd = worker_command(spec, None, python)
     lines = [
         "set -e",
@@ -96,7 +102,16 @@ def task_script(spec: LaunchSpec, ranks: list[int], key_file: str | None,
     if cases:
         lines.append('case "$r" in ' + " ".join(cases) + " esac")
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
-    lines.append("exec " + " ".join(shlex.quote(c) for c in cmd) + ' --rank "$r"')
+    worker = " ".join(shlex.quote(c) for c in cmd) + ' --rank "$r"'
+    if on_keep_alive is None:
+        lines.append("exec " + worker)
+    else:
+        # bash stays the worker's parent, which Slurm's process tracking needs to
+        # kill a stuck worker: it ignores the TERM and INT Slurm sends every process
+        # of the step (the worker installs handlers of its own for both)
+        lines += ["trap '' TERM INT", f"rc=0; {worker} || rc=$?",
+                  f'if [ "$rc" = {EXIT_KEEP_ALIVE} ]; then {on_keep_alive} || true; fi',
+                  'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 

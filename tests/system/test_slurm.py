@@ -349,6 +349,8 @@ print("INFO", json.dumps({"pids": m.exec("os.getpid()").values(), "job": rec.slu
                           "endpoints": rec.endpoints}), flush=True)
 if how == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if how == "stuck":  # rank 1 holds the GIL in C code: it cannot run its keep-alive check
+    m.run("if rank == 1:\n    sum(range(10**13))")
 m.detach()
 '''
 
@@ -369,6 +371,24 @@ def _spawn_detached(tmp_path, name: str, keep_alive: float, how: str) -> dict:
     else:
         assert cp.returncode == 0, cp.stderr[-3000:]
     return info
+
+
+def test_a_rank_stuck_in_c_code_is_cancelled_when_the_keep_alive_passes(
+        slurm, tmp_path, registry_dir):
+    """Rank 0 reaches the end of its keep-alive and cancels the job: rank 1,
+    which holds the GIL in C code and cannot check its own, ends with it."""
+    info = _spawn_detached(tmp_path, "sd-stuck", 5, "stuck")
+    job, pids = info["job"], info["pids"]
+    try:
+        wait_for(lambda: psutil.Process(pids[1]).cpu_percent(0.3) > 20, 10,
+                 what="rank 1 computing")
+        wait_for(lambda: _job_gone(job), 90, what=f"job {job} cancelled after its keep-alive")
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, what="ranks gone")
+        wait_for(lambda: not (registry_dir / "sd-stuck.json").exists(), 15,
+                 what="the record removed by the mesh's guardian")
+    finally:
+        if job in _jobs():
+            _sh("scancel", job)
 
 
 @pytest.fixture

@@ -309,3 +309,25 @@ def test_adopt_takes_over_a_running_job_or_one_step_of_an_allocation():
     assert ["scancel", "--signal=INT", "80.3"] in [c[0] for c in la.calls]  # never the job
     with pytest.raises(ValueError, match="not a Slurm job id"):
         la.adopt("x; rm -rf /", [0])
+
+
+def test_a_task_whose_keep_alive_passed_cancels_what_is_left(tmp_path):
+    """A detached task runs its worker (no exec) and, on the keep-alive exit
+    code only, the cancel command; it exits with the worker's code."""
+    from monarch_kernel.launchers.slurm_job import task_script
+    from monarch_kernel.wire.messages import EXIT_KEEP_ALIVE
+
+    spec = _spec({"hosts": 1, "procs": 2})
+    marker = tmp_path / "cancelled"
+    for code, cancelled in ((EXIT_KEEP_ALIVE, True), (0, False), (3, False)):
+        fake = tmp_path / "python"
+        fake.write_text(f"#!/bin/sh\nexit {code}\n")
+        fake.chmod(0o755)
+        script = task_script(spec, [0, 1], None, str(fake), {"A": "b"},
+                             on_keep_alive=f"touch {marker}")
+        assert "exec " not in script
+        cp = subprocess.run(["bash", "-c", script], env={"SLURM_PROCID": "1", "PATH":
+                            "/usr/bin:/bin"}, check=False, timeout=30)
+        assert cp.returncode == code and marker.exists() == cancelled
+        marker.unlink(missing_ok=True)
+    assert "exec " in task_script(spec, [0, 1], None, None)  # an ordinary mesh: as before
