@@ -167,9 +167,11 @@ def batch_script(spec: LaunchSpec, ranks: list[int], step_name: str, geometry: l
         return head + f"exec {srun}\n"
     files = " ".join('"$SLURM_JOB_ID"'.join(shlex.quote(p) for p in path.split("%j"))
                      for path in cleanup)
-    # (scancel of the job ends srun with SIGTERM: the EXIT trap still removes them)
+    # srun in the background: a cancelled job's SIGTERM runs the trap at once (a
+    # foreground srun would delay it until srun ends, and a stuck task could make
+    # that after Slurm's SIGKILL, which runs no trap)
     return head + (f"cleanup() {{ rm -f -- {files}; }}\ntrap cleanup EXIT\n"
-                   f"trap 'exit 143' TERM\n{srun}\n")
+                   f"trap 'cleanup; exit 143' TERM\n{srun} &\nwait $!\n")
 
 
 def sbatch_command(job_name: str, output: str, geometry: list[str], extra_args: Sequence[str],

@@ -386,6 +386,7 @@ def test_a_rank_stuck_in_c_code_is_cancelled_when_the_keep_alive_passes(
         wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, what="ranks gone")
         wait_for(lambda: not (registry_dir / "sd-stuck.json").exists(), 15,
                  what="the record removed by the mesh's guardian")
+        assert not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists()
     finally:
         if job in _jobs():
             _sh("scancel", job)
