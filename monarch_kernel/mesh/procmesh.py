@@ -6,6 +6,12 @@ every rank. The :class:`ProcMesh` it returns runs cells, moves variables,
 spawns actors (:meth:`ProcMesh.spawn`), and is stopped with
 :meth:`ProcMesh.stop` or a ``with`` block. A script that forgets to stop
 its meshes has them stopped at exit.
+
+A mesh spawned with a name and ``detach=True`` outlives this controller
+(:meth:`ProcMesh.detach`, a crash, the program's end): another controller
+finds it in the per-user registry (:mod:`monarch_kernel.mesh.registry`) and
+attaches (:func:`attach`, :mod:`monarch_kernel.mesh.durable`); the ranks'
+side is :mod:`monarch_kernel.worker.detach`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from monarch_kernel.controller.controller import Controller, Request
 from monarch_kernel.controller.output import RankPrinter, write_stream
 from monarch_kernel.errors import (
     MESH_STOPPED,
+    MeshBusyError,
     MeshError,
     MeshFailure,
     NoMeshError,
@@ -40,7 +47,7 @@ from monarch_kernel.errors import (
     ranks_label,
 )
 from monarch_kernel.launchers import Launcher, LaunchSpec, get_launcher
-from monarch_kernel.launchers.local import DetachPlan
+from monarch_kernel.launchers.local import AdoptedLauncher, DetachPlan
 from monarch_kernel.mesh import durable, registry
 from monarch_kernel.mesh.dist_setup import DIST_BACKENDS, setup_mesh
 from monarch_kernel.mesh.durable import HelloStates, Resumed
@@ -653,6 +660,13 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
                           f"with spawn_procs(..., name={name!r}, detach=True); `%mesh list` "
                           "shows the meshes there are)")
     timeout = _seconds(timeout, "timeout")
+    if rec.launcher == "local" and rec.host == socket.gethostname():
+        ended = sorted(r for r, p in rec.pids.items() if not registry.pid_alive(p))
+        if ended:
+            raise MeshError(f"mesh {name!r} cannot be attached: {ranks_label(ended)} "
+                            f"ended while it was detached; end the rest with "
+                            f"monarch_kernel.stop_mesh({name!r}, force=True) "
+                            f"(%mesh stop {name} --force) and spawn it again")
     la = durable.adopted_launcher(rec)
     heartbeat = float(rec.extra.get("heartbeat", 1.0))
     world = list(range(rec.world_size))
@@ -714,7 +728,24 @@ def stop_mesh(name: str, timeout: float = 10.0, force: bool = False) -> None:
         if m.name == name:
             m.stop(timeout=timeout)
             return
-    mesh = attach(name, steal=force, timeout=timeout)
+    rec = registry.load(name) if registry.valid_name(name) else None
+    if (rec is not None and rec.launcher == "local" and rec.host == socket.gethostname()
+            and any(not registry.pid_alive(p) for p in rec.pids.values())):
+        # (some ranks ended while detached: it cannot be attached whole; end the rest)
+        if not force and registry.controller_alive(rec):
+            raise MeshBusyError(f"mesh {name!r} is attached to another controller; stop it "
+                                f"there, or here with force=True (%mesh stop {name} --force)")
+        AdoptedLauncher(rec.pids).stop(timeout=0.0)
+        _remove_traces(rec, timeout)
+        return
+    try:
+        mesh = attach(name, steal=force, timeout=timeout)
+    except MeshBusyError as e:
+        err = MeshBusyError(f"mesh {name!r} is attached to another controller (pid "
+                            f"{e.holder_pid} on host {e.holder_host}); stop it there, or "
+                            f"here with force=True (%mesh stop {name} --force)")
+        err.holder_pid, err.holder_host = e.holder_pid, e.holder_host
+        raise err from None
     mesh.stop(timeout=timeout)
 
 

@@ -283,11 +283,14 @@ def pid_alive(pid: int) -> bool:
 
 def alive(rec: MeshRecord) -> bool:
     """Whether the mesh of ``rec`` still runs: the launcher's hook decides where
-    one is registered; otherwise (local) whether one of its pids runs as this
-    user on this host."""
+    one is registered; otherwise, for a local mesh, whether one of its pids runs
+    as this user on this host (a mesh of another launcher, whose hook this
+    process did not load, counts as alive: its record is never removed blind)."""
     fn = _liveness.get(rec.launcher)
     if fn is not None:
         return bool(fn(rec))
+    if rec.launcher != "local":
+        return True  # (no hook registered in this process: it cannot tell; kept)
     if rec.host != socket.gethostname():
         return True  # (cannot tell from here)
     return any(pid_alive(p) for p in rec.pids.values())

@@ -90,6 +90,8 @@ KEEP_ALIVE_ENV = "MONARCH_DETACH_KEEP_ALIVE"
 OUTPUT_BYTES_ENV = "MONARCH_DETACH_OUTPUT_BYTES"
 DEFAULT_OUTPUT_BYTES = 8 << 20
 DEFAULT_KEEP_ALIVE = 3600.0
+#: requests with kept output beyond which those nobody waits for are forgotten
+MAX_ENTRIES = 256
 
 #: functions adding to the state a worker reports at attach (``fn(worker) -> dict``),
 #: registered by features above the worker (actors: their names and classes)
@@ -232,7 +234,11 @@ class Detachable:
                     self._forget(str(p))
 
     def _keep(self, parent: str, name: str, text: str) -> None:
-        e = self.journal.setdefault(parent, _Entry())
+        e = self.journal.get(parent)
+        if e is None:
+            if len(self.journal) >= MAX_ENTRIES:
+                self._prune()
+            e = self.journal[parent] = _Entry()
         n = len(text.encode("utf-8", "surrogatepass")) if not text.isascii() else len(text)
         e.chunks.append((name, text))
         e.nbytes += n
@@ -249,6 +255,15 @@ class Detachable:
                     break
             else:
                 break
+
+    def _prune(self) -> None:
+        """Forget the entries of requests that no thread serves, that have no reply
+        and whose output was all dropped (one-way calls: nobody answers them), once
+        there are many (lock held)."""
+        serving = set(self.w.serving())
+        for p in [p for p, e in self.journal.items()
+                  if p and not e.chunks and e.reply is None and p not in serving]:
+            del self.journal[p]
 
     def _forget(self, parent: str) -> None:
         e = self.journal.pop(parent, None)
@@ -371,9 +386,13 @@ class Detachable:
         queued = [m.id for m in list(w.requests.queue) if m is not None]
         for pid_ in [*serving, *queued]:
             running.setdefault(pid_, {"output": [], "dropped": 0, "finished": False})
-        background = self.journal.get("")
-        for p, e in self.journal.items():
+        background = list(self.journal[""].chunks) if "" in self.journal else []
+        for p, e in list(self.journal.items()):
             if not p:
+                continue
+            if e.reply is None and p not in running:  # (a one-way call's: nobody waits)
+                background.extend(e.chunks)
+                self._forget(p)
                 continue
             running[p] = {"output": list(e.chunks), "dropped": e.dropped,
                           "finished": e.reply is not None, "reply": e.reply}
@@ -383,7 +402,7 @@ class Detachable:
         except Exception:  # noqa: BLE001 - telemetry is optional here
             pass
         state: dict[str, Any] = {"pid": os.getpid(), "requests": running,
-                                 "background": list(background.chunks) if background else [],
+                                 "background": background,
                                  "dropped": self.dropped, "paused": paused,
                                  "bound": self.bound}
         for fn in _reporters:

@@ -467,8 +467,19 @@ class Worker:
         """
         if self.capture is not None:
             self.capture.drain()
-        if self.current_parent == parent:
+        # (a detachable worker serves the request until its reply left: a controller
+        # that takes over meanwhile learns it runs, and waits for that reply)
+        later = self.detach is not None
+        if self.current_parent == parent and not later:
             self.current_parent = None
+        try:
+            self._send_reply(parent, status, value, names)
+        finally:
+            if later and self.current_parent == parent:
+                self.current_parent = None
+
+    def _send_reply(self, parent: str, status: str, value: Any, names: list[str] | None
+                    ) -> None:
         try:
             self.send("reply", reply_content(status, value), parent)
         except SerializationError as e:

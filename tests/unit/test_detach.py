@@ -266,6 +266,8 @@ def test_second_attach_refused_then_steal(reg):
             mk.attach(name, timeout=10)
         assert e.value.holder_pid == c.proc.pid
         assert f"pid {c.proc.pid}" in str(e.value) and "steal" in str(e.value)
+        with pytest.raises(mk.MeshBusyError, match="force=True"):
+            mk.stop_mesh(name, timeout=10)
         m = mk.attach(name, steal=True, timeout=10)
         try:
             line = c.read_until("ERROR", timeout=20)
@@ -314,18 +316,18 @@ def test_request_finished_while_detached(reg):
     """A request that ends while no controller is attached: its output and its reply
     are kept, and follow() shows the output and returns the values."""
     name = _name()
-    with child(name, "kill", lines=20) as c:
+    with child(name, "kill", lines=10) as c:
         c.read_until("STARTED")
-        time.sleep(0.3)
+        time.sleep(0.2)
         c.kill()
-        time.sleep(2.0)  # (20 lines of 50 ms: it ends meanwhile)
+        time.sleep(4.0)  # (10 lines of 50 ms: it ends meanwhile, even on a busy host)
         m = mk.attach(name)
         try:
             [res] = m.resumed
             assert res.finished_while_detached and res.finished_ranks == [0, 1, 2, 3]
             result, out = _follow(m)
             assert list(result.values()) == ["done"] * 4
-            _check_lines(out, lines=20)
+            _check_lines(out, lines=10)
             assert m.follow() is None  # (nothing left to follow)
         finally:
             m.stop()
@@ -419,6 +421,49 @@ def test_background_output_while_detached_is_shown_at_attach(reg):
         m2 = mk.attach(name, timeout=10, on_output=lambda r, n, t: got.append(t))
         _wait(lambda: "from the background" in "".join(got), 10, "the background line")
         m2.stop()
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
+
+
+def test_ranks_paused_in_pdb_are_listed_at_attach(reg):
+    """A rank stopped at a breakpoint while the mesh is detached is listed by
+    paused_ranks() after attach (and its cell is among the resumed requests)."""
+    name = _name()
+    m = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.run("if rank == 1:\n    breakpoint()\n")
+        _wait(lambda: m.paused_ranks() == [1], 10, "rank 1 to pause")
+        m.detach()
+        m2 = mk.attach(name, timeout=10)
+        assert m2.paused_ranks() == [1]
+        assert [r.ranks for r in m2.resumed] == [[1]]
+        m2.stop(timeout=2)
+    finally:
+        for pid in info["pids"].values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(info, name)
+
+
+def test_rank_that_ended_while_detached(reg):
+    """A mesh one of whose ranks ended while detached is not attached half: the error
+    names the rank and says how to end the rest; stop_mesh(force=True) does."""
+    name = _name()
+    m = mk.spawn_procs(2, name=name, detach=True, keep_alive=30)
+    info = {"pids": dict(m.record.pids), "dir": m.record.mesh_dir,
+            "guardian": m.record.guardian_pid}
+    try:
+        m.detach()
+        os.kill(info["pids"][1], signal.SIGKILL)
+        _wait(lambda: not _running(info["pids"][1]), 10, "rank 1 to end")
+        with pytest.raises(mk.MeshError, match="rank 1 ended while it was detached"):
+            mk.attach(name, timeout=10)
+        mk.stop_mesh(name, force=True)
     finally:
         for pid in info["pids"].values():
             if _running(pid):
