@@ -789,7 +789,9 @@ class Controller:
         :class:`Request` (first over all of ``world``: :meth:`settle_resumed`
         narrows it to the ranks that reported it), its kept output is replayed
         into it in order, and a reply that came while detached is recorded.
-        Returns the bytes of output the rank dropped per request id."""
+        A request the rank answered to the previous controller (``delivered``)
+        is resumed only if another rank had not. Returns the bytes of output the
+        rank dropped per request id."""
         info = self.ranks[rank]
         dropped: dict[str, int] = {}
         for name, text in state.get("background") or ():  # (printed by no request)
@@ -802,11 +804,14 @@ class Controller:
                     req = Request(rid, list(world), "resumed")
                     req.waiter = self.wait_for
                     req.reported = set()  # type: ignore[attr-defined]
+                    req.live = set()  # type: ignore[attr-defined]
                     self.pending[rid] = req
                     self.resumed[rid] = req
                 reported = getattr(req, "reported", None)
                 if reported is not None:
                     reported.add(rank)
+                    if not r.get("delivered"):  # (not answered to the last controller)
+                        req.live.add(rank)  # type: ignore[attr-defined]
                 if r.get("reply") is None:
                     info.state = "busy"
             for name, text in r.get("output") or ():
@@ -824,6 +829,10 @@ class Controller:
         ranks replied finish now. Returns the resumed requests."""
         done = []
         with self._lock:
+            for rid, req in list(self.resumed.items()):
+                if not getattr(req, "live", True):  # answered in full before: not resumed
+                    self.resumed.pop(rid, None)
+                    self.pending.pop(rid, None)
             reqs = list(self.resumed.values())
             for req in reqs:
                 reported = getattr(req, "reported", None)

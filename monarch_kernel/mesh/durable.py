@@ -63,7 +63,8 @@ class Resumed:
     ranks : list of int
         The ranks that still run it (or have it queued).
     finished_ranks : list of int
-        The ranks that finished it while no controller was attached.
+        The ranks that finished it while no controller was attached (or whose
+        reply the previous controller got while other ranks still ran it).
     replayed_bytes : int
         Bytes of its output replayed (kept by the ranks since it started).
     dropped_bytes : int
@@ -256,8 +257,12 @@ class HelloStates:
     def resumed(self) -> list[Resumed]:
         """The :class:`Resumed` rows of what the ranks reported."""
         rows: dict[str, Resumed] = {}
+        live = {str(rid) for state in self.states.values()
+                for rid, r in (state.get("requests") or {}).items() if not r.get("delivered")}
         for rank, state in sorted(self.states.items()):
             for rid, r in (state.get("requests") or {}).items():
+                if str(rid) not in live:
+                    continue  # (answered in full to the previous controller)
                 row = rows.setdefault(str(rid), Resumed(str(rid)))
                 (row.finished_ranks if r.get("reply") is not None else row.ranks).append(rank)
                 row.replayed_bytes += sum(len(t.encode()) for _, t in r.get("output") or ())

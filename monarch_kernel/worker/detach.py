@@ -92,6 +92,8 @@ DEFAULT_OUTPUT_BYTES = 8 << 20
 DEFAULT_KEEP_ALIVE = 3600.0
 #: requests with kept output beyond which those nobody waits for are forgotten
 MAX_ENTRIES = 256
+#: requests whose reply a controller got that a rank keeps (with their output)
+MAX_DELIVERED = 32
 
 #: functions adding to the state a worker reports at attach (``fn(worker) -> dict``),
 #: registered by features above the worker (actors: their names and classes)
@@ -111,6 +113,7 @@ class _Entry:
     nbytes: int = 0
     dropped: int = 0
     reply: dict[str, Any] | None = None  # its reply content, once it finished
+    delivered: bool = False  # its reply went to the controller attached then
 
 
 def _holder_alive(holder: dict[str, Any] | None) -> bool:
@@ -153,6 +156,10 @@ class Detachable:
         self.detached = False
         self.since = 0.0  # monotonic time it became detached
         self.journal: dict[str, _Entry] = {}  # request id -> kept output and reply, oldest first
+        #: requests whose reply the controller got, newest last: kept (MAX_DELIVERED)
+        #: because other ranks may still run them, and a controller that was killed
+        #: may never have shown their output; a new one shows the whole request
+        self.delivered: collections.deque[str] = collections.deque()
         self.total = 0  # bytes in the journal
         self.dropped = 0  # bytes dropped in all since the last attach
         #: the controller that holds the rank: {"pid": int, "host": str}
@@ -227,11 +234,11 @@ class Detachable:
                 w.send_encoded(frames)
             except zmq.ZMQError:
                 return
-            if type == "reply" and parent:  # the controller has it: nothing to replay
-                self._forget(parent)
+            if type == "reply" and parent:  # the controller has it
+                self._delivered(parent)
             elif type == "replies":
                 for p, _ in content:
-                    self._forget(str(p))
+                    self._delivered(str(p))
 
     def _keep(self, parent: str, name: str, text: str) -> None:
         e = self.journal.get(parent)
@@ -255,6 +262,21 @@ class Detachable:
                     break
             else:
                 break
+
+    def _delivered(self, parent: str) -> None:
+        e = self.journal.get(parent)
+        if e is None:
+            return
+        if not e.chunks:  # (nothing to show again: only the reply, which is small)
+            self._forget(parent)
+            return
+        e.delivered = True
+        self.delivered.append(parent)
+        while len(self.delivered) > MAX_DELIVERED:
+            old = self.delivered.popleft()
+            o = self.journal.get(old)
+            if o is not None and o.delivered:
+                self._forget(old)
 
     def _prune(self) -> None:
         """Forget the entries of requests that no thread serves, that have no reply
@@ -375,6 +397,7 @@ class Detachable:
                                 "attach": self.endpoint, "resume": state}, None)
             for p in [p for p, e in self.journal.items() if e.reply is not None or not p]:
                 self._forget(p)  # (handed over in the hello)
+            self.delivered.clear()
             self.dropped = 0
             return {"ok": True, "pid": os.getpid()}
 
@@ -395,7 +418,8 @@ class Detachable:
                 self._forget(p)
                 continue
             running[p] = {"output": list(e.chunks), "dropped": e.dropped,
-                          "finished": e.reply is not None, "reply": e.reply}
+                          "finished": e.reply is not None, "reply": e.reply,
+                          "delivered": e.delivered}
         paused = False
         try:
             paused = telemetry.current_activity().startswith("paused")

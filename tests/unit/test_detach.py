@@ -32,7 +32,7 @@ from monarch_kernel.wire import protocol
 #: every rank and in an actor, starts a request that prints a numbered line every 50 ms
 #: for 10 s, says so, then (argv[2]) waits to be killed, detaches, or holds the mesh
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import monarch_kernel as mk
 from monarch_kernel import Actor, endpoint
 
@@ -54,10 +54,16 @@ c.incr.call(5).get()
 print("PIDS " + json.dumps({"pids": m.record.pids, "dir": m.record.mesh_dir,
                             "guardian": m.record.guardian_pid}), flush=True)
 if mode != "idle":
-    m.run("import time\n"
-          f"for i in range({lines}):\n"
+    delay = float(os.environ.get("DETACH_TEST_DELAY", "0"))
+    mark = os.environ.get("DETACH_TEST_MARK", "")
+    short = int(os.environ.get("DETACH_TEST_SHORT", str(lines)))  # (rank 3's lines)
+    m.run("import os, time\n"
+          f"time.sleep({delay})\n"
+          f"for i in range({lines} if rank != 3 else {short}):\n"
           "    print(f'r{rank} line {i} ' + 'x' * 40, flush=True)\n"
           "    time.sleep(0.05)\n"
+          f"if {mark!r}:\n"
+          f"    open(os.path.join({mark!r}, f'done{{rank}}'), 'w').close()\n"
           "'done'")
 print("STARTED", flush=True)
 if mode in ("detach", "idle"):
@@ -312,15 +318,18 @@ def test_no_name_and_attach_errors(reg):
     assert not list(Path(os.environ[registry.ENV]).glob("*.json"))
 
 
-def test_request_finished_while_detached(reg):
+def test_request_finished_while_detached(reg, tmp_path):
     """A request that ends while no controller is attached: its output and its reply
     are kept, and follow() shows the output and returns the values."""
     name = _name()
-    with child(name, "kill", lines=10) as c:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {"DETACH_TEST_DELAY": "1.0", "DETACH_TEST_MARK": str(marks)}
+    with child(name, "kill", lines=10, env=env) as c:
         c.read_until("STARTED")
-        time.sleep(0.2)
-        c.kill()
-        time.sleep(4.0)  # (10 lines of 50 ms: it ends meanwhile, even on a busy host)
+        c.kill()  # (within the request's first second: no rank has finished)
+        _wait(lambda: len(list(marks.iterdir())) == 4, 30, "the ranks to finish")
+        time.sleep(0.2)  # (their replies are kept just after the marks)
         m = mk.attach(name)
         try:
             [res] = m.resumed
@@ -469,3 +478,25 @@ def test_rank_that_ended_while_detached(reg):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     _assert_gone(info, name)
+
+
+def test_rank_that_finished_before_the_kill_is_shown_too(reg):
+    """Rank 3 finished (its reply went to the controller) before that controller was
+    killed; the other ranks still run: the new controller shows the whole request,
+    rank 3's lines included, once each."""
+    name = _name()
+    with child(name, "kill", env={"DETACH_TEST_SHORT": "5"}) as c:
+        c.read_until("STARTED")
+        time.sleep(1.5)  # (rank 3's 5 lines take 0.25 s)
+        c.kill()
+        m = mk.attach(name)
+        try:
+            [res] = m.resumed
+            assert res.ranks == [0, 1, 2] and res.finished_ranks == [3]
+            result, out = _follow(m)
+            assert list(result.values()) == ["done"] * 4
+            _check_lines(out, ranks=3)
+            assert [int(x) for x in re.findall(r"r3 line (\d+) ", out)] == list(range(5))
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
