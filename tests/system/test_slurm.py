@@ -554,3 +554,42 @@ def test_inside_an_allocation_a_detached_step_outlives_its_controller(slurm, tmp
             _sh("scancel", j)
         salloc.kill()
         salloc.wait(30)
+
+
+def test_a_killed_kernels_slurm_mesh_is_attached_from_a_new_kernel(slurm, registry_dir):
+    """The kernel that spawned a detached Slurm mesh is SIGKILLed; a new kernel
+    attaches through the registry and squeue: same ranks, same state."""
+    ks = KernelSession()  # (the kernel inherits this test's registry directory)
+    job, pids = "", []
+    try:
+        _ok(ks, "import os, monarch_kernel\n"
+                "m = monarch_kernel.spawn_procs({'hosts': 1, 'procs': 2}, launcher='slurm', "
+                "name='sd-kernel', detach=True, keep_alive=300, timeout=90)\n"
+                "m.exec('counter = rank + 100')")
+        pids = eval(_ok(ks, "m.exec('import os\\nos.getpid()').values()").result_text())
+        job = _ok(ks, "m.record.slurm_job").result_text().strip("'")
+        os.kill(ks.pid, signal.SIGKILL)
+        ks.km.provisioner.process.wait(30)  # type: ignore[union-attr]
+    finally:
+        ks.kc.stop_channels()
+        ks.km.cleanup_resources()
+    try:
+        time.sleep(2)
+        assert job in _jobs() and all(psutil.pid_exists(p) for p in pids)
+        ks2 = KernelSession()
+        try:
+            r = _ok(ks2, "import time, monarch_kernel\nt0 = time.monotonic()\n"
+                         "m = monarch_kernel.attach('sd-kernel')\n"
+                         "took = time.monotonic() - t0\n"
+                         "m.exec('import os\\n(os.getpid(), counter)').values()")
+            assert eval(r.result_text()) == [(pids[0], 100), (pids[1], 101)]
+            print("attach from a new kernel took "
+                  + _ok(ks2, "f'{took:.2f} s'").result_text())
+            _ok(ks2, "m.stop()")
+        finally:
+            ks2.shutdown()
+        assert _job_gone(job)
+        assert not list(registry_dir.glob("*.json"))
+    finally:
+        if job and job in _jobs():
+            _sh("scancel", job)
