@@ -331,3 +331,30 @@ def test_a_task_whose_keep_alive_passed_cancels_what_is_left(tmp_path):
         assert cp.returncode == code and marker.exists() == cancelled
         marker.unlink(missing_ok=True)
     assert "exec " in task_script(spec, [0, 1], None, None)  # an ordinary mesh: as before
+
+
+def test_the_registry_asks_squeue_about_slurm_meshes(monkeypatch, tmp_path):
+    """list_meshes: a Slurm record shows squeue's state; one whose job squeue no
+    longer lists is removed; one squeue cannot answer for is kept."""
+    import time
+
+    from monarch_kernel.launchers import slurm
+    from monarch_kernel.launchers.slurm_cli import JobTable
+    from monarch_kernel.mesh import registry
+
+    monkeypatch.setenv(registry.ENV, str(tmp_path / "reg"))
+    for name, job in (("run", "12"), ("wait", "13"), ("gone", "14")):
+        registry.save(registry.MeshRecord(
+            name=name, user=0, host="login1", launcher="slurm", shape={"procs": 2},
+            world_size=2, pids={}, endpoints={0: "tcp://10.0.0.5:1"}, key_hex="ab" * 32,
+            created=time.time(), keep_alive=60.0, slurm_job=job))
+    run, _ = _fake_run({"squeue -h -u": (0, "12|RUNNING|None|n1\n13|PENDING|Priority|\n", "")})
+    monkeypatch.setattr(slurm, "_JOBS", JobTable(run, ttl=0))
+    rows = {r.name: (r.state, r.slurm_job, r.job_state) for r in registry.list_meshes()}
+    assert rows == {"run": ("detached", "12", "RUNNING"), "wait": ("detached", "13", "PENDING"),
+                    "gone": ("gone", "14", "GONE")}
+    assert [r.name for r in registry.records()] == ["run", "wait"]
+    down, _ = _fake_run({"squeue": (1, "", "Unable to contact slurm controller")})
+    monkeypatch.setattr(slurm, "_JOBS", JobTable(down, ttl=0))
+    rows = {r.name: (r.state, r.job_state) for r in registry.list_meshes()}
+    assert rows == {"run": ("detached", None), "wait": ("detached", None)}
