@@ -26,6 +26,11 @@ one line per event on its stdin:
     controller killed with SIGKILL (a kernel shut down "now") cannot remove it.
 ``keep PATH``
     forget ``rmdir PATH`` (the controller removes it itself).
+``job JOBID``
+    (detached guardian) a Slurm job whose end is the end of the mesh: it
+    counts as a watched worker until ``squeue`` lists it no more (asked
+    every :data:`JOB_POLL` seconds; an unanswered ``squeue`` concludes
+    nothing).
 ``rmfile PATH TOKEN``
     a file to remove when everything ends (a detached mesh's registry
     record), only if it still contains ``TOKEN`` (the mesh's id: a later
@@ -69,10 +74,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_GRACE", "Guardian"]
+__all__ = ["DEFAULT_GRACE", "JOB_POLL", "Guardian"]
 
 #: seconds between SIGTERM and SIGKILL
 DEFAULT_GRACE = 2.0
+#: seconds between a detached guardian's questions to squeue about its jobs
+JOB_POLL = 2.0
 
 
 # ------------------------------------------------------------------ killing
@@ -141,6 +148,7 @@ class _Watch:
         self.grace = grace
         self.detached = detached
         self.files: dict[str, str] = {}  # path -> token (rmfile)
+        self.jobs: dict[str, float] = {}  # Slurm job -> when squeue is asked next
         self.watched = False  # a worker was watched (detached: the end is when none is left)
         self.poll = select.poll()
         self.fds: dict[int, int] = {}  # pidfd -> worker pid
@@ -193,6 +201,9 @@ class _Watch:
             self.onexit.pop(rest.strip(), None)
         elif verb == "rmdir" and os.path.basename(rest).startswith(("mk-", "mkm-")):
             self.dirs.add(rest)
+        elif verb == "job" and rest.strip().replace(".", "").isdigit():
+            self.jobs[rest.strip()] = 0.0
+            self.watched = True
         elif verb == "rmfile":
             path, _, token = rest.rpartition(" ")
             if path and token:
@@ -318,7 +329,9 @@ class _Watch:
                 self.end_groups()
             if self.pending:
                 self.due()
-            if self.watched and not self.workers and not self.pending:
+            if self.jobs:
+                self.check_jobs()
+            if self.watched and not self.workers and not self.pending and not self.jobs:
                 if stdin_open:  # (the commands sent with the last worker's end)
                     os.set_blocking(0, False)
                     self.read_commands()
@@ -327,6 +340,23 @@ class _Watch:
             if not stdin_open and not self.watched:
                 self.cleanup()  # (nothing was ever started)
                 return
+
+    def check_jobs(self) -> None:
+        """Forget the Slurm jobs that squeue lists no more (asked every JOB_POLL s)."""
+        now = time.monotonic()
+        for job, due in list(self.jobs.items()):
+            if now < due:
+                continue
+            self.jobs[job] = now + JOB_POLL
+            try:
+                cp = subprocess.run(["squeue", "-h", "-j", job.split(".")[0], "-o", "%T"],
+                                    stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                    timeout=30, check=False)
+            except (OSError, subprocess.SubprocessError):
+                continue  # (no answer: nothing concluded)
+            said = (cp.stdout + cp.stderr).lower()
+            if (cp.returncode == 0 and not cp.stdout.strip()) or "invalid job id" in said:
+                del self.jobs[job]
 
     def _run_all(self, phase: str) -> None:
         for spec in self.onexit.values():
@@ -470,6 +500,16 @@ class Guardian:
         with self._lock:
             line = f"rmfile {path} {token}"
             self._onexit[f"rmfile:{path}"] = line  # (told again to a restarted guardian)
+            self._write(line)
+
+    def watch_job(self, job: str) -> None:
+        """(Detached guardian) count Slurm job ``job`` as a watched worker until
+        squeue lists it no more."""
+        if not job.replace(".", "").isdigit():
+            return
+        with self._lock:
+            line = f"job {job}"
+            self._onexit[f"job:{job}"] = line  # (told again to a restarted guardian)
             self._write(line)
 
     def release(self) -> None:

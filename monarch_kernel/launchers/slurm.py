@@ -39,6 +39,7 @@ import re
 import shlex
 import shutil
 import signal as _signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -55,6 +56,7 @@ from monarch_kernel.launchers.slurm_cli import (
     WAITING_STATES,
     JobInfo,
     JobQuery,
+    JobTable,
     decode_exit,
     parse_scontrol_job,
     parse_squeue_columns,
@@ -75,6 +77,8 @@ from monarch_kernel.launchers.slurm_job import (
     task_script,
     write_key_file,
 )
+from monarch_kernel.mesh import registry
+from monarch_kernel.mesh.registry import MeshRecord
 from monarch_kernel.transport.netaddr import address_towards, primary_address
 
 __all__ = [
@@ -82,6 +86,8 @@ __all__ = [
     "JobInfo",
     "SlurmLauncher",
     "decode_exit",
+    "mesh_alive",
+    "mesh_job_state",
     "parse_scontrol_job",
     "parse_squeue_columns",
     "parse_squeue_json",
@@ -169,6 +175,8 @@ class SlurmLauncher(Launcher):
         self.poll_interval = poll_interval
         self.pending_timeout = pending_timeout
         self.report = report or (lambda text: print(text, flush=True))
+        #: set by :meth:`make_detachable`: the workers outlive this controller
+        self.detach_plan: Any = None
         self.controller: Any = None
         self.units: list[SlurmUnit] = []
         self._unit_of: dict[int, SlurmUnit] = {}
@@ -213,7 +221,7 @@ class SlurmLauncher(Launcher):
                 unit.step = parts[0].split(".", 1)[-1]
                 if len(parts) > 2 and parts[2]:
                     unit.nodes = parts[2]
-                if not unit.ended:
+                if not unit.ended and not unit.detached:
                     self._guard_unit(unit)
                 return
 
@@ -239,7 +247,11 @@ class SlurmLauncher(Launcher):
             if key_file:
                 unlink_quiet(key_file)
             raise
-        self._guard_unit(unit)
+        unit.detached = self.detach_plan is not None
+        if not unit.detached:
+            self._guard_unit(unit)
+        else:
+            self._guard_detached(unit)
         with self._lock:
             for r in ranks:
                 old = self._unit_of.get(r)
@@ -254,12 +266,26 @@ class SlurmLauncher(Launcher):
                                              daemon=True)
             self._watcher.start()
 
+    def _guard_detached(self, unit: SlurmUnit) -> None:
+        """Have the mesh's detached guardian clean up after ``unit`` ends (the
+        batch job gone from squeue, or the srun of an allocation step exited)."""
+        try:
+            self.guard.ensure()
+        except OSError as e:
+            log.warning("could not start the process that cleans up after the mesh: %s", e)
+            return
+        if unit.proc is None:
+            self.guard.watch_job(unit.job_id)
+        else:
+            self.guard.watch([unit.proc.pid])
+
     def _guard_unit(self, unit: SlurmUnit) -> None:
         """Have the guardian end ``unit`` if this process ends before it does:
         SIGTERM to its tasks at once, SIGKILL to its step ``guard.grace`` seconds
         later (a task stuck in C code can run neither its Python watchdog nor a
         SIGTERM handler; a signalled step ends at once, a cancelled job only
-        after Slurm's KillWait), then cancel the batch job."""
+        after Slurm's KillWait), then cancel the batch job and remove its output
+        and key files."""
         if unit.proc is None:  # a batch job: its one srun is step 0 (until we know better)
             job = unit.job_id
             step = f"{job}.{unit.step or 0}"
@@ -272,6 +298,8 @@ class SlurmLauncher(Launcher):
         else:  # a step whose id is not known yet: srun passes SIGTERM on to its tasks
             term = [["kill", "-TERM", str(unit.proc.pid)]]
             kill = [["kill", "-KILL", str(unit.proc.pid)]]
+        # (the output and key files this process would have removed at stop)
+        kill += [["rm", "-f", "--", path] for path in (unit.output, unit.key_file) if path]
         try:
             self.guard.ensure()
         except OSError as e:
@@ -282,8 +310,14 @@ class SlurmLauncher(Launcher):
     def _launch_job(self, spec: LaunchSpec, ranks: list[int], step_name: str,
                     key_file: str | None) -> SlurmUnit:
         geom = geometry(spec, ranks, self.nodes)
+        # a detached job removes its own files: no controller may be left to do it
+        cleanup = ([self.output.replace("%u", getpass.getuser()), *filter(None, [key_file])]
+                   if self.detach_plan is not None else [])
+        # (a rank at the end of its keep-alive cancels the job: ranks stuck in C code too)
         script = batch_script(spec, ranks, step_name, geom,
-                              task_script(spec, ranks, key_file, self.python))
+                              task_script(spec, ranks, key_file, self.python,
+                                          self._detach_env(), self._on_keep_alive(False)),
+                              cleanup)
         cmd = sbatch_command(self.job_name, self.output, geom, self.extra_args, {
             "--partition": self.partition, "--time": self.time, "--account": self.account,
             "--gpus-per-node": self.gpus_per_node})
@@ -304,12 +338,15 @@ class SlurmLauncher(Launcher):
         job_id = os.environ.get("SLURM_JOB_ID", "")
         if not job_id:
             raise MeshError("allocation=True needs SLURM_JOB_ID (run inside salloc or sbatch)")
-        if self._tmpdir is None:
+        where = getattr(self.detach_plan, "mesh_dir", None)  # (its guardian removes it)
+        if where is None and self._tmpdir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="monarch-slurm-")
-        fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out", dir=self._tmpdir)
+        fd, output = tempfile.mkstemp(prefix="srun-", suffix=".out",
+                                      dir=where or self._tmpdir)
         cmd = srun_command(job_id, step_name, geometry(spec, ranks, self.nodes),
                            self.gpus_per_node, self.extra_args,
-                           task_script(spec, ranks, key_file, self.python),
+                           task_script(spec, ranks, key_file, self.python,
+                                       self._detach_env(), self._on_keep_alive(True)),
                            overlap=slurm_version() >= (20, 11))
         try:
             proc = subprocess.Popen(cmd, env=job_env(spec, key_file), stdin=subprocess.DEVNULL,
@@ -490,6 +527,131 @@ class SlurmLauncher(Launcher):
             out[r] = Placement(r, host, pid, job)
         return out
 
+    # ------------------------------------------------------ detach, attach
+    def mesh_job(self, timeout: float = 10.0) -> str | None:
+        """The Slurm job of the ranks, as the mesh registry records it: the job
+        id of a batch job, ``JOB.STEP`` for a step in the user's allocation
+        (waiting up to ``timeout`` seconds for squeue to list the step); None
+        before :meth:`launch`, or for a step squeue never listed."""
+        units = [u for u in self.units if not u.ended] or self.units
+        if not units:
+            return None
+        unit = units[0]
+        if unit.proc is None and not unit.step_only:
+            return unit.job_id
+        deadline = time.monotonic() + timeout
+        while unit.step is None and time.monotonic() < deadline:
+            self._find_step(unit)
+            if unit.step is None:
+                time.sleep(0.2)
+        return None if unit.step is None else f"{unit.job_id}.{unit.step}"
+
+    def make_detachable(self, plan: Any) -> None:
+        """Start the workers of the next :meth:`launch` detachable: they outlive
+        this controller (nothing cancels their job when it ends) and each binds
+        a TCP attach endpoint (CurveZMQ, the mesh's key) on the address of its
+        node that reaches this host. ``plan``: ``keep_alive`` (seconds a rank
+        waits for a controller) and ``output_bytes`` (bytes of output each rank
+        keeps), as :class:`~.local.DetachPlan` has them; its ``mesh_dir`` and
+        ``record`` (the registry file, if it still names ``mesh_id``) are removed
+        by a guardian of the mesh's own on this host once the job ended."""
+        self.detach_plan = plan
+        self.guard = Guardian(detached=True)
+        if getattr(plan, "mesh_dir", None):
+            self.guard.remove_on_exit(plan.mesh_dir)
+        if getattr(plan, "record", None):
+            self.guard.remove_file_at_end(plan.record, plan.mesh_id)
+
+    def _detach_env(self) -> dict[str, str]:
+        plan = self.detach_plan
+        if plan is None:
+            return {}
+        return {"MONARCH_ATTACH_ENDPOINT": "tcp://*:0",
+                "MONARCH_DETACH_KEEP_ALIVE": repr(float(plan.keep_alive)),
+                "MONARCH_DETACH_OUTPUT_BYTES": str(int(plan.output_bytes)),
+                "MONARCH_DETACH_HOLDER": f"{os.getpid()}@{socket.gethostname()}"}
+
+    def _on_keep_alive(self, step: bool) -> str | None:
+        """What a task runs when its rank's keep-alive passed (detached meshes):
+        cancel the batch job, or the step of the user's allocation."""
+        if self.detach_plan is None:
+            return None
+        return ('scancel "$SLURM_JOB_ID.$SLURM_STEP_ID"' if step
+                else 'scancel "$SLURM_JOB_ID"')
+
+    def release(self) -> None:
+        """Leave the job running without this controller: stop watching it, and
+        tell the guardian to cancel nothing when this process ends (the ranks
+        end themselves after their keep-alive, and the job with them)."""
+        with self._lock:
+            for unit in self.units:
+                unit.detached = True
+                self.guard.drop(unit.step_name)
+        self._closing.set()
+        if self.guard.detached:
+            self.guard.release()  # (it goes on: it cleans up once the job ended)
+        else:
+            self.guard.close()
+
+    def record_fields(self) -> dict[str, Any]:
+        """What the mesh registry records of this launcher's (detachable) mesh: its
+        job (:meth:`mesh_job`) and the settings :meth:`adopt_record` needs."""
+        return {"slurm_job": self.mesh_job(),
+                "extra": {"slurm": {"output": self.output, "job_name": self.job_name,
+                                    "poll_interval": self.poll_interval}}}
+
+    def adopt_record(self, rec: Any) -> None:
+        """Take over the ranks of registry record ``rec`` (a detachable mesh of
+        this launcher's): its ``slurm_job``, ``world_size`` and the settings
+        :meth:`record_fields` kept.
+
+        Raises
+        ------
+        MeshError
+            If the record names no Slurm job.
+        """
+        if not rec.slurm_job:
+            raise MeshError(f"mesh {rec.name!r}: its record names no Slurm job; "
+                            "stop it with scancel and spawn it again")
+        kept = (rec.extra or {}).get("slurm") or {}
+        self.output = str(kept.get("output", self.output))
+        self.job_name = str(kept.get("job_name", self.job_name))
+        self.poll_interval = float(kept.get("poll_interval", self.poll_interval))
+        self.adopt(str(rec.slurm_job), list(range(int(rec.world_size))))
+
+    def adopt(self, job: str, ranks: list[int]) -> None:
+        """Take over the ranks of running Slurm job ``job`` (attach to a detached
+        mesh): watch, signal and stop them as if :meth:`launch` had started
+        them. ``job``: a batch job id, or ``JOB.STEP`` for a step in the user's
+        allocation (then only that step is ever signalled or cancelled). The
+        job stays detached (nothing cancels it when this process ends) until
+        :meth:`stop`.
+
+        Raises
+        ------
+        ValueError
+            If ``job`` is not a job id (``123`` or ``123.4``).
+        """
+        m = re.match(r"^\s*(\d+)(?:\.(\d+))?\s*$", str(job))
+        if m is None:
+            raise ValueError(f"not a Slurm job id: {job!r}")
+        job_id, step = m.group(1), m.group(2)
+        output = (None if step else
+                  self.output.replace("%u", getpass.getuser()).replace("%j", job_id))
+        unit = SlurmUnit(job_id, list(ranks), step_name=f"adopted-{job}", output=output,
+                         step=step or "0", state="RUNNING", started=True, live=set(ranks),
+                         detached=True, step_only=step is not None)
+        with self._lock:
+            for r in ranks:
+                self._unit_of[r] = unit
+                self._exits.pop(r, None)
+            self.units.append(unit)
+        if self._watcher is None or not self._watcher.is_alive():
+            self._closing.clear()
+            self._watcher = threading.Thread(target=self._watch, name="monarch-slurm-watch",
+                                             daemon=True)
+            self._watcher.start()
+
     # ------------------------------------------------------ signals, stopping
     def signal(self, ranks: list[int], sig: int = _signal.SIGINT) -> None:
         """Send ``sig`` to the tasks of ``ranks``.
@@ -516,6 +678,8 @@ class SlurmLauncher(Launcher):
             return list({id(u): u for r in ranks if (u := self._unit_of.get(r))}.values())
 
     def _target(self, unit: SlurmUnit) -> str | None:
+        if unit.step_only:
+            return f"{unit.job_id}.{unit.step}"
         if unit.proc is None:
             return unit.job_id
         if unit.step is None:
@@ -586,7 +750,10 @@ class SlurmLauncher(Launcher):
             if all(u.ended for u in self.units):
                 self._closing.set()
         if self._closing.is_set():
-            self.guard.close()
+            if self.guard.detached:  # (it sees the job gone, cleans up and exits)
+                self.guard.release()
+            else:
+                self.guard.close()
         if self._closing.is_set() and self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -595,6 +762,10 @@ class SlurmLauncher(Launcher):
         """True once the job (or step) is no longer listed by Slurm."""
         if unit.proc is not None:
             return unit.proc.poll() is not None
+        if unit.step_only:
+            alive = JobTable(lambda cmd, timeout=10.0: self._run(cmd, timeout=timeout)).alive(
+                f"{unit.job_id}.{unit.step}")
+            return alive is False
         info = self.query(unit.job_id)
         if info is None:
             return False
@@ -618,3 +789,28 @@ class SlurmLauncher(Launcher):
         if target is None:
             target = slurmctld_host()
         return (address_towards(target) if target else None) or primary_address()
+
+
+# ------------------------------------------------------------- registry liveness
+#: this user's jobs, one squeue call for every Slurm mesh the registry asks about
+_JOBS = JobTable(ttl=1.0)
+
+
+def mesh_alive(rec: MeshRecord) -> bool:
+    """Whether the Slurm job of registry record ``rec`` is pending or running
+    (``squeue``); True when Slurm cannot be asked (a record is never dropped
+    because slurmctld did not answer)."""
+    alive = _JOBS.alive(rec.slurm_job)
+    return True if alive is None else alive
+
+
+def mesh_job_state(rec: MeshRecord) -> str | None:
+    """``squeue``'s state of the job of ``rec`` (``RUNNING``, ``PENDING``, ...,
+    ``GONE`` once it is listed no more); None when Slurm cannot be asked."""
+    if not rec.slurm_job:
+        return "GONE"
+    info = _JOBS.get(rec.slurm_job)
+    return None if info is None else info.state
+
+
+registry.register_liveness("slurm", mesh_alive, mesh_job_state)

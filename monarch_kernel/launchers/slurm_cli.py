@@ -15,6 +15,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,12 @@ __all__ = [
     "WAITING_STATES",
     "JobInfo",
     "JobQuery",
+    "JobTable",
     "decode_exit",
     "parse_scontrol_job",
     "parse_squeue_columns",
     "parse_squeue_json",
+    "parse_squeue_table",
     "read_tail",
     "slurm_version",
     "slurmctld_host",
@@ -138,6 +141,23 @@ def parse_squeue_columns(text: str, job_id: str) -> JobInfo | None:
     return None
 
 
+def parse_squeue_table(text: str) -> dict[str, JobInfo]:
+    """Every job (or step) of ``squeue -h -o '%i|%T|%r|%N'`` output, by id.
+
+    Lines that are not ``id|...`` (a header, a warning) are skipped; a step
+    listing (``squeue -s -o %i``) gives entries of state ``RUNNING``.
+    """
+    out: dict[str, JobInfo] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.strip().split("|")]
+        if not parts or not re.match(r"^\d+(?:_\d+)?(?:\.\w+)?$", parts[0]):
+            continue
+        parts += [""] * (4 - len(parts))
+        out[parts[0]] = JobInfo(parts[0], state_name(parts[1] or "RUNNING"), parts[2],
+                                parts[3])
+    return out
+
+
 def parse_scontrol_job(text: str, job_id: str) -> JobInfo | None:
     """Job ``job_id`` from ``scontrol show job -o ID`` (``Key=Value`` tokens)."""
     fields = dict(re.findall(r"(\w+)=(\S*)", text))
@@ -218,6 +238,78 @@ class JobQuery:
                                    "", parts[3] if len(parts) > 3 else "",
                                    decode_exit(parts[2]))
         return JobInfo(job_id, "GONE")
+
+
+class JobTable:
+    """The jobs of one user as ``squeue`` lists them, read at most once per ``ttl``.
+
+    One ``squeue -u USER`` call answers for every job of the user (the mesh
+    registry asks about each Slurm mesh it lists); job steps (``"12.0"``) are
+    read with ``squeue -s`` the same way.
+
+    Parameters
+    ----------
+    run : callable(cmd, timeout=...) -> subprocess.CompletedProcess, optional
+        Runs a Slurm command (raises ``subprocess.TimeoutExpired`` or ``OSError``);
+        default: :func:`subprocess.run` with a 10 s timeout.
+    user : str or int, optional
+        Whose jobs (name or uid; default: this process's uid).
+    ttl : float
+        Seconds an answer is reused.
+    """
+
+    def __init__(self, run: Callable[..., subprocess.CompletedProcess] | None = None,
+                 user: str | int | None = None, ttl: float = 2.0) -> None:
+        self.run = run or _run_quiet
+        self.user = str(os.getuid() if user is None else user)
+        self.ttl = ttl
+        self._cache: dict[bool, tuple[float, dict[str, JobInfo] | None]] = {}
+
+    def _table(self, steps: bool) -> dict[str, JobInfo] | None:
+        now = time.monotonic()
+        hit = self._cache.get(steps)
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        cmd = (["squeue", "-h", "-s", "-u", self.user, "-o", "%i"] if steps
+               else ["squeue", "-h", "-u", self.user, "-o", "%i|%T|%r|%N"])
+        try:
+            cp = self.run(cmd, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            table = None
+        else:
+            table = parse_squeue_table(cp.stdout) if cp.returncode == 0 else None
+        self._cache[steps] = (now, table)
+        return table
+
+    def get(self, job: str) -> JobInfo | None:
+        """What squeue says of ``job`` (a job id, or ``JOB.STEP``): its
+        :class:`JobInfo`, state ``GONE`` when squeue lists it no more (not
+        this user's, ended, or never was), None when squeue could not be asked
+        (no Slurm client here, slurmctld down: nothing can be concluded)."""
+        job = str(job).strip()
+        table = self._table("." in job)
+        if table is None:
+            return None
+        return table.get(job) or JobInfo(job, "GONE")
+
+    def alive(self, job: str | None) -> bool | None:
+        """True while ``job`` is pending or running (not completing), False once
+        it ends or is gone (or ``job`` is empty), None when Slurm cannot be asked."""
+        if not job:
+            return False
+        info = self.get(job)
+        if info is None:
+            return None
+        return info.active and info.state != "COMPLETING"
+
+    def clear(self) -> None:
+        """Forget the answers (the next question asks squeue)."""
+        self._cache.clear()
+
+
+def _run_quiet(cmd: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
 
 
 def _invalid_job(cp: subprocess.CompletedProcess) -> bool:

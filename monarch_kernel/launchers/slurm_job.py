@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from monarch_kernel.launchers.base import LaunchSpec, worker_command
+from monarch_kernel.wire.messages import EXIT_KEEP_ALIVE
 
 __all__ = [
     "SlurmUnit",
@@ -69,17 +70,31 @@ class SlurmUnit:
     next_check: float = 0.0  # when the watcher asks Slurm next
     live: set[int] = field(default_factory=set)  # ranks whose exit is still to report
     leftover_done: set[int] = field(default_factory=set)
+    #: the job outlives this controller (never cancelled when it ends)
+    detached: bool = False
+    #: a step of the user's allocation taken over by attach (no srun of ours):
+    #: signals, cancels and liveness concern the step, never the allocation
+    step_only: bool = False
 
 
 def task_script(spec: LaunchSpec, ranks: list[int], key_file: str | None,
-                python: str | None) -> str:
-    """The bash script each task of the step runs (``bash -c``) for ``ranks``."""
+                python: str | None, env: dict[str, str] | None = None,
+                on_keep_alive: str | None = None) -> str:
+    """The bash script each task of the step runs (``bash -c``) for ``ranks``;
+    ``env``: variables every task exports (not secrets: the script is kept by
+    Slurm, readable by its administrators). With ``on_keep_alive`` (a shell
+    command; a detached mesh's) the worker is not ``exec``-ed: when it exits
+    with :data:`~monarch_kernel.wire.messages.EXIT_KEEP_ALIVE` (no controller
+    within its keep-alive) the command runs, e.g. cancelling what is left of
+    the job (a rank stuck in C code cannot run its own keep-alive check)."""
     cmd = worker_command(spec, None, python)
     lines = [
         "set -e",
         f"ranks=({' '.join(str(r) for r in ranks)})",
         'r=${ranks[${SLURM_PROCID:?this script runs as an srun task}]}',
     ]
+    if env:
+        lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
     if key_file is not None:
         lines.append(f"MONARCH_MESH_KEY=$(<{shlex.quote(key_file)}); export MONARCH_MESH_KEY")
     cases = [f"{r}) export {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())};;"
@@ -87,7 +102,16 @@ def task_script(spec: LaunchSpec, ranks: list[int], key_file: str | None,
     if cases:
         lines.append('case "$r" in ' + " ".join(cases) + " esac")
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
-    lines.append("exec " + " ".join(shlex.quote(c) for c in cmd) + ' --rank "$r"')
+    worker = " ".join(shlex.quote(c) for c in cmd) + ' --rank "$r"'
+    if on_keep_alive is None:
+        lines.append("exec " + worker)
+    else:
+        # bash stays the worker's parent, which Slurm's process tracking needs to
+        # kill a stuck worker: it ignores the TERM and INT Slurm sends every process
+        # of the step (the worker installs handlers of its own for both)
+        lines += ["trap '' TERM INT", f"rc=0; {worker} || rc=$?",
+                  f'if [ "$rc" = {EXIT_KEEP_ALIVE} ]; then {on_keep_alive} || true; fi',
+                  'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 
@@ -126,16 +150,28 @@ def write_key_file(key_dir: str, key: bytes) -> str:
 
 
 def batch_script(spec: LaunchSpec, ranks: list[int], step_name: str, geometry: list[str],
-                 task: str) -> str:
-    """The batch script: one ``srun`` step named ``step_name`` whose tasks run ``task``."""
-    return (
-        "#!/bin/bash\n"
-        f"# monarch_kernel mesh {spec.shape} ranks {ranks[0]}..{ranks[-1]}; "
-        f"controller {spec.address}\n"
-        f"task={shlex.quote(task)}\n"
-        f"exec srun --job-name={shlex.quote(step_name)} {' '.join(geometry)} "
-        "--distribution=block --kill-on-bad-exit=0 --label bash -c \"$task\"\n"
-    )
+                 task: str, cleanup: Sequence[str] = ()) -> str:
+    """The batch script: one ``srun`` step named ``step_name`` whose tasks run ``task``.
+
+    ``cleanup``: files the script removes once the step ended (a detached
+    mesh's output and key files, which no controller may be left to remove);
+    ``%j`` in them stands for the job id. Without it the script ``exec``s srun.
+    """
+    srun = (f"srun --job-name={shlex.quote(step_name)} {' '.join(geometry)} "
+            "--distribution=block --kill-on-bad-exit=0 --label bash -c \"$task\"")
+    head = ("#!/bin/bash\n"
+            f"# monarch_kernel mesh {spec.shape} ranks {ranks[0]}..{ranks[-1]}; "
+            f"controller {spec.address}\n"
+            f"task={shlex.quote(task)}\n")
+    if not cleanup:
+        return head + f"exec {srun}\n"
+    files = " ".join('"$SLURM_JOB_ID"'.join(shlex.quote(p) for p in path.split("%j"))
+                     for path in cleanup)
+    # srun in the background: a cancelled job's SIGTERM runs the trap at once (a
+    # foreground srun would delay it until srun ends, and a stuck task could make
+    # that after Slurm's SIGKILL, which runs no trap)
+    return head + (f"cleanup() {{ rm -f -- {files}; }}\ntrap cleanup EXIT\n"
+                   f"trap 'cleanup; exit 143' TERM\n{srun} &\nwait $!\n")
 
 
 def sbatch_command(job_name: str, output: str, geometry: list[str], extra_args: Sequence[str],

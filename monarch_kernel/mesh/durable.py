@@ -41,10 +41,11 @@ import zmq
 
 from monarch_kernel.controller.controller import Controller
 from monarch_kernel.errors import MeshBusyError, MeshError, ProtocolError
-from monarch_kernel.launchers import Launcher
+from monarch_kernel.launchers import Launcher, get_launcher
 from monarch_kernel.launchers.local import AdoptedLauncher
 from monarch_kernel.mesh import registry
 from monarch_kernel.mesh.registry import MeshRecord
+from monarch_kernel.transport.sockets import curve_attach_keypair, curve_client_keypair
 from monarch_kernel.wire import protocol
 from monarch_kernel.wire.messages import Attach
 
@@ -105,6 +106,14 @@ def adopted_launcher(rec: MeshRecord) -> Launcher:
         if rec.host != socket.gethostname():
             raise MeshError(f"mesh {rec.name!r} runs on host {rec.host}; attach from there")
         return AdoptedLauncher(rec.pids)
+    try:  # a launcher that adopts its own records (Slurm: the job of the record)
+        la = get_launcher(rec.launcher)
+    except ValueError:
+        la = None
+    adopt = getattr(la, "adopt_record", None)
+    if la is not None and adopt is not None:
+        adopt(rec)
+        return la
     raise MeshError(f"cannot attach to a mesh of launcher {rec.launcher!r} here")
 
 
@@ -157,6 +166,9 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float,
             s = ctx.socket(zmq.DEALER)
             s.linger = 0
             s.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+            if endpoint.startswith("tcp://"):  # a CurveZMQ server of the mesh's (worker.detach)
+                s.curve_serverkey = curve_attach_keypair(key)[0]
+                s.curve_publickey, s.curve_secretkey = curve_client_keypair(key)
             s.connect(endpoint)
             socks[r] = s
             poller.register(s, zmq.POLLIN)
@@ -263,6 +275,8 @@ def record_for(name: str, la: Any, ctl: Controller, shape: dict[str, int], world
                directory: str | None, guardian_pid: int | None) -> MeshRecord:
     """The registry record of a detachable mesh ``ctl`` just spawned."""
     now = time.time()
+    fields = getattr(la, "record_fields", None)  # (Slurm: its job, and what adopts it)
+    own: dict[str, Any] = fields() if fields is not None else {}
     return MeshRecord(
         name=name, user=os.getuid(), host=socket.gethostname(), launcher=la.name,
         shape=dict(shape), world_size=world,
@@ -270,7 +284,8 @@ def record_for(name: str, la: Any, ctl: Controller, shape: dict[str, int], world
         endpoints=dict(endpoints), key_hex=ctl.key.hex(), created=now,
         keep_alive=keep_alive, controller={"pid": os.getpid(), "host": socket.gethostname()},
         last_seen=now, mesh_id=mesh_id, mesh_dir=directory, guardian_pid=guardian_pid,
-        extra={"heartbeat": ctl.heartbeat})
+        slurm_job=own.get("slurm_job"), extra={"heartbeat": ctl.heartbeat,
+                                               **own.get("extra", {})})
 
 
 def mark_detached(rec: MeshRecord) -> None:

@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "MeshInfo", "MeshRecord", "alive", "directory", "list_meshes", "load",
-           "record_path", "records", "register_liveness", "remove", "save", "valid_name"]
+__all__ = ["ENV", "MeshInfo", "MeshRecord", "alive", "directory", "job_state", "list_meshes",
+           "load", "record_path", "records", "register_liveness", "remove", "save", "valid_name"]
 
 #: the environment variable that overrides the registry's directory
 ENV = "MONARCH_MESH_REGISTRY"
@@ -145,6 +145,9 @@ class MeshInfo:
     keep_alive_left_s: float | None
     launcher: str
     slurm_job: str | None
+    #: what the launcher says of the mesh's job (Slurm: ``RUNNING``, ``PENDING``,
+    #: ``GONE``...), None where it says nothing or cannot be asked
+    job_state: str | None = None
 
 
 def directory() -> Path:
@@ -241,12 +244,23 @@ def records() -> list[MeshRecord]:
 
 
 _liveness: dict[str, Callable[[MeshRecord], bool]] = {}
+_job_state: dict[str, Callable[[MeshRecord], str | None]] = {}
 
 
-def register_liveness(launcher: str, fn: Callable[[MeshRecord], bool]) -> None:
+def register_liveness(launcher: str, fn: Callable[[MeshRecord], bool],
+                      state: Callable[[MeshRecord], str | None] | None = None) -> None:
     """Have :func:`alive` ask ``fn(record)`` for records of ``launcher`` (e.g. the
-    Slurm launcher's ``squeue`` check)."""
+    Slurm launcher's ``squeue`` check), and :func:`list_meshes` ask ``state(record)``
+    for the :attr:`MeshInfo.job_state` of their rows."""
     _liveness[launcher] = fn
+    if state is not None:
+        _job_state[launcher] = state
+
+
+def job_state(rec: MeshRecord) -> str | None:
+    """The launcher's word on the job of ``rec`` (None: no word)."""
+    fn = _job_state.get(rec.launcher)
+    return fn(rec) if fn is not None else None
 
 
 def pid_alive(pid: int) -> bool:
@@ -302,7 +316,7 @@ def list_meshes() -> list[MeshInfo]:
         if not alive(rec):
             remove(rec.name, rec.mesh_id)
             out.append(MeshInfo(rec.name, rec.shape, "gone", now - rec.created, None, None,
-                                rec.launcher, rec.slurm_job))
+                                rec.launcher, rec.slurm_job, job_state(rec)))
             continue
         attached = controller_alive(rec)
         c = rec.controller
@@ -310,5 +324,5 @@ def list_meshes() -> list[MeshInfo]:
         out.append(MeshInfo(rec.name, rec.shape, "attached" if attached else "detached",
                             now - rec.created,
                             f"{c['pid']}@{c['host']}" if attached and c else None,
-                            left, rec.launcher, rec.slurm_job))
+                            left, rec.launcher, rec.slurm_job, job_state(rec)))
     return out

@@ -56,7 +56,8 @@ from zmq.utils import z85
 from monarch_kernel.errors import TransportError
 
 __all__ = ["DOWN_MAX_MESSAGE", "MAX_MESSAGE_ENV", "RECEIVE_QUEUE", "FdPoller", "KeyGate", "Outbox",
-           "bind_router", "connect_dealer", "curve_client_keypair", "drain", "endpoint_host",
+           "bind_router", "connect_dealer", "curve_attach_keypair", "curve_client_keypair",
+           "drain", "endpoint_host",
            "has_input", "inproc_pair", "is_ipc", "is_loopback", "max_message_bytes",
            "private_dir", "remove_private_dir", "send_frames"]
 
@@ -249,6 +250,17 @@ def curve_client_keypair(mesh_key: bytes) -> tuple[bytes, bytes]:
     workers, which get it through their environment) holds it, and no other
     secret has to travel."""
     raw = hmac.new(mesh_key, b"monarch-curve-client-v1", hashlib.sha256).digest()
+    secret = z85.encode(raw)
+    return zmq.curve_public(secret), secret
+
+
+def curve_attach_keypair(mesh_key: bytes) -> tuple[bytes, bytes]:
+    """The CurveZMQ server key pair (public, secret; Z85) of the TCP attach
+    endpoints of the detachable mesh whose key is ``mesh_key``: derived from it,
+    so that a controller that holds the mesh key (read from the user's 0600
+    registry) knows the public key to connect with, and nobody else can serve
+    as those endpoints."""
+    raw = hmac.new(mesh_key, b"monarch-curve-attach-v1", hashlib.sha256).digest()
     secret = z85.encode(raw)
     return zmq.curve_public(secret), secret
 

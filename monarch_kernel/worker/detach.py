@@ -26,8 +26,9 @@ from an ordinary one in four ways:
   output: what was journalled before it is in the hello the new controller
   gets, what comes after it is sent to the new controller.
 * It binds an *attach endpoint* (a ROUTER: ``ipc://`` in the mesh's own
-  0700 directory for a local mesh; ``tcp://`` for others), read by the
-  thread that leads the I/O. A controller sends it one signed ``attach``
+  0700 directory for a local mesh; ``tcp://`` for others, a CurveZMQ server
+  that admits only the mesh's client key), read by the thread that leads
+  the I/O. A controller sends it one signed ``attach``
   message (:class:`AttachRequest`): its endpoints, the controller's new
   epoch and sequence floor, the epoch the rank signs with from then on,
   ``steal``, and the controller's pid and host. The worker refuses when a
@@ -48,6 +49,7 @@ Nothing here is imported by an ordinary worker's hot path: a worker without
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
 import os
 import socket
@@ -60,7 +62,15 @@ from typing import Any
 import zmq
 
 from monarch_kernel.errors import ProtocolError
-from monarch_kernel.transport.sockets import drain, send_frames
+from monarch_kernel.transport.netaddr import address_towards, primary_address
+from monarch_kernel.transport.sockets import (
+    KeyGate,
+    curve_attach_keypair,
+    curve_client_keypair,
+    drain,
+    is_loopback,
+    send_frames,
+)
 from monarch_kernel.wire import messages, protocol
 from monarch_kernel.worker import handlers, telemetry
 from monarch_kernel.worker.io import exit_process
@@ -157,11 +167,40 @@ class Detachable:
         self._last_attach = 0.0  # the newest accepted attach's timestamp (epoch s)
         # verifies attach messages: their controllers' epochs are new to this worker
         self.codec = protocol.Codec(worker.codec.key, f"r{worker.rank}")
-        self.sock = worker.ctx.socket(zmq.ROUTER)
-        self.sock.linger = 0
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        #: the ZAP handler of a TCP attach endpoint (admits the mesh's client key only)
+        self.gate: KeyGate | None = None
+        self.sock = self._bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _bind(self, endpoint: str) -> zmq.Socket:
+        """The attach endpoint's ROUTER, bound at ``endpoint``. A TCP one is a
+        CurveZMQ server (:func:`curve_attach_keypair` of the mesh key) in a
+        context of its own, whose ZAP handler admits only the mesh's client key
+        (:func:`curve_client_keypair`): another user who learns the address
+        cannot even complete a handshake. Host ``*`` binds the address of this
+        host that reaches the controller (a Slurm node's own address)."""
+        key = self.w.codec.key
+        if not endpoint.startswith("tcp://"):
+            sock = self.w.ctx.socket(zmq.ROUTER)
+            sock.linger = 0
+            sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+            sock.bind(endpoint)
+            return sock
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if host in ("", "*", "0.0.0.0"):
+            ctl = str(self.w.address).split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
+            host = "127.0.0.1" if is_loopback(ctl) else (address_towards(ctl)
+                                                          or primary_address())
+        client = curve_client_keypair(key)[0]
+        ctx = zmq.Context()  # (one ZAP handler per context: the actor peers' is the worker's)
+        self.gate = KeyGate(ctx, lambda k: hmac.compare_digest(k, client))
+        sock = ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        sock.curve_secretkey = curve_attach_keypair(key)[1]
+        sock.curve_server = True
+        sock.bind(f"tcp://{host}:{port or 0}")
+        return sock
 
     def start(self) -> None:
         """Have the worker's I/O read the attach endpoint."""

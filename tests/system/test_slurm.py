@@ -266,6 +266,8 @@ def test_a_rank_stuck_in_c_code_ends_when_the_kernel_is_killed(slurm):
         print(f"over Slurm, GIL-bound ranks ended {took:.2f} s after the kernel's SIGKILL")
         assert took < 10.0
         wait_for(lambda: _job_gone(job), 30, what=f"job {job} cancelled")
+        wait_for(lambda: not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists(), 10,
+                 what="the job's output file removed by the kernel's guardian")
     finally:
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -319,3 +321,275 @@ def test_inside_an_allocation_a_stuck_step_ends_when_its_controller_is_killed(sl
                 psutil.Process(pid).kill()
         salloc.kill()
         salloc.wait(30)
+
+
+# ------------------------------------------------------------------ detached meshes
+DETACH_DRIVER = r'''
+import json, os, signal, sys
+from monarch_kernel import Actor, endpoint, spawn_procs
+from monarch_kernel.mesh import registry
+
+class Acc(Actor):
+    def __init__(self):
+        self.total = 0
+
+    @endpoint
+    def add(self, x):
+        self.total += x
+        return self.total
+
+name, keep_alive, how = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+m = spawn_procs({"hosts": 1, "procs": 2}, launcher="slurm", name=name, detach=True,
+                keep_alive=keep_alive, timeout=90)
+m.exec("import os\ncounter = 10 * rank + 1")
+acc = m.spawn("acc", Acc)
+acc.add.call(5).get(timeout=60)
+rec = registry.load(name)
+print("INFO", json.dumps({"pids": m.exec("os.getpid()").values(), "job": rec.slurm_job,
+                          "endpoints": rec.endpoints}), flush=True)
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "stuck":  # rank 1 holds the GIL in C code: it cannot run its keep-alive check
+    m.run("if rank == 1:\n    sum(range(10**13))")
+m.detach()
+'''
+
+
+def _spawn_detached(tmp_path, name: str, keep_alive: float, how: str) -> dict:
+    driver = tmp_path / "spawn_detached.py"
+    driver.write_text(DETACH_DRIVER)
+    cp = subprocess.run([sys.executable, str(driver), name, str(keep_alive), how],
+                        check=False, capture_output=True, text=True, timeout=240,
+                        stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    line = [ln for ln in cp.stdout.splitlines() if ln.startswith("INFO ")]
+    assert line, f"rc {cp.returncode}\n{cp.stdout}\n{cp.stderr[-3000:]}"
+    import json
+
+    info = json.loads(line[0].split(" ", 1)[1])
+    if how == "kill":
+        assert cp.returncode == -signal.SIGKILL, cp.stderr[-3000:]
+    else:
+        assert cp.returncode == 0, cp.stderr[-3000:]
+    return info
+
+
+def test_a_rank_stuck_in_c_code_is_cancelled_when_the_keep_alive_passes(
+        slurm, tmp_path, registry_dir):
+    """Rank 0 reaches the end of its keep-alive and cancels the job: rank 1,
+    which holds the GIL in C code and cannot check its own, ends with it."""
+    info = _spawn_detached(tmp_path, "sd-stuck", 5, "stuck")
+    job, pids = info["job"], info["pids"]
+    try:
+        wait_for(lambda: psutil.Process(pids[1]).cpu_percent(0.3) > 20, 10,
+                 what="rank 1 computing")
+        wait_for(lambda: _job_gone(job), 90, what=f"job {job} cancelled after its keep-alive")
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, what="ranks gone")
+        wait_for(lambda: not (registry_dir / "sd-stuck.json").exists(), 15,
+                 what="the record removed by the mesh's guardian")
+        assert not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists()
+    finally:
+        if job in _jobs():
+            _sh("scancel", job)
+
+
+@pytest.fixture
+def registry_dir(tmp_path, monkeypatch):
+    """A registry of this test's own (the environment variable the registry reads)."""
+    from monarch_kernel.mesh import registry
+
+    path = tmp_path / "registry"
+    monkeypatch.setenv(registry.ENV, str(path))
+    return path
+
+
+def _handshake(endpoint: str, server_key: bytes, client: tuple[bytes, bytes]) -> str:
+    """The outcome of a CurveZMQ handshake with ``endpoint`` as client ``client``
+    (public, secret): ``"succeeded"``, ``"refused"`` (the server's ZAP handler
+    said no) or ``"none"`` (nothing within 5 s)."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    mon = d.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        d.linger = 0
+        d.curve_serverkey = server_key
+        d.curve_publickey, d.curve_secretkey = client
+        d.connect(endpoint)
+        if not mon.poll(5000):
+            return "none"
+        event = recv_monitor_message(mon)["event"]
+        return "succeeded" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    finally:
+        d.disable_monitor()
+        mon.close(0)
+        d.close(0)
+        ctx.term()
+
+
+def _check_attach_endpoint_curve(rec) -> None:
+    """Rank 0's attach endpoint completes a CurveZMQ handshake with the mesh's
+    client key only: a stranger's key pair is refused by its ZAP handler."""
+    import zmq
+
+    from monarch_kernel.transport.sockets import curve_attach_keypair, curve_client_keypair
+
+    key = bytes.fromhex(rec.key_hex)
+    server = curve_attach_keypair(key)[0]
+    assert _handshake(rec.endpoints[0], server, zmq.curve_keypair()) == "refused"
+    assert _handshake(rec.endpoints[0], server, curve_client_keypair(key)) == "succeeded"
+
+
+def test_a_detached_mesh_outlives_its_killed_controller_and_attach_finds_it(
+        slurm, tmp_path, registry_dir):
+    """Detach over Slurm: the controller is SIGKILLed, the job runs on; attach
+    through the registry and squeue gives the same ranks, state and actor."""
+    import monarch_kernel
+    import monarch_kernel.launchers  # noqa: F401 - registers squeue liveness for Slurm records
+    from monarch_kernel.mesh import registry
+
+    info = _spawn_detached(tmp_path, "sd-kill", 300, "kill")
+    job, pids = info["job"], info["pids"]
+    try:
+        assert all(e.startswith("tcp://") for e in info["endpoints"].values()), info
+        time.sleep(2)  # longer than a heartbeat timeout would allow a guarded mesh
+        assert job in _jobs() and all(psutil.pid_exists(p) for p in pids)
+        (row,) = [r for r in registry.list_meshes() if r.name == "sd-kill"]
+        assert (row.state, row.launcher, row.slurm_job, row.job_state) == (
+            "detached", "slurm", job, "RUNNING"), row
+        rec = registry.load("sd-kill")
+        assert rec is not None and rec.guardian_pid and psutil.pid_exists(rec.guardian_pid)
+        _check_attach_endpoint_curve(rec)
+        t0 = time.monotonic()
+        m = monarch_kernel.attach("sd-kill", timeout=30)
+        took = time.monotonic() - t0
+        print(f"attach to a detached 2-rank Slurm mesh took {took:.2f} s")
+        assert took < 30.0
+        try:
+            assert m.exec("os.getpid()").values() == pids
+            assert m.exec("counter").values() == [1, 11]
+            assert m.actors("acc").add.call(1).get(timeout=30).values() == [6, 6]
+            assert {p.job for p in m.launcher.placements().values()} == {f"{job}.0"}
+        finally:
+            m.stop()
+        assert _job_gone(job)
+        assert registry.load("sd-kill") is None
+        assert not any(psutil.pid_exists(p) for p in pids)
+        wait_for(lambda: not psutil.pid_exists(rec.guardian_pid), 15, what="its guardian gone")
+        assert not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists()
+    finally:
+        if job in _jobs():
+            _sh("scancel", job)
+
+
+def test_keep_alive_expiry_ends_the_job_and_list_forgets_it(slurm, tmp_path, registry_dir):
+    import monarch_kernel.launchers  # noqa: F401 - registers squeue liveness for Slurm records
+    from monarch_kernel.mesh import registry
+
+    info = _spawn_detached(tmp_path, "sd-expire", 6, "detach")
+    job, pids = info["job"], info["pids"]
+    try:
+        assert job in _jobs()
+        t0 = time.monotonic()
+        wait_for(lambda: _job_gone(job), 90, what=f"job {job} ended by its keep-alive")
+        print(f"job gone {time.monotonic() - t0:.1f} s after a 6 s keep-alive began")
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 10, what="ranks gone")
+        # the mesh's guardian (on this host) saw the job gone and removed the record
+        wait_for(lambda: not (registry_dir / "sd-expire.json").exists(), 15,
+                 what="the record removed by the mesh's guardian")
+        rows = [r for r in registry.list_meshes() if r.name == "sd-expire"]
+        assert [r.state for r in rows] in ([], ["gone"])
+        assert registry.load("sd-expire") is None  # removed as the listing found it gone
+        assert not list(registry_dir.glob("*.json"))
+        wait_for(lambda: not Path(f"/tmp/monarch-{getpass.getuser()}-{job}.out").exists(), 10,
+                 what="the job's output file removed by its own script")
+    finally:
+        if job in _jobs():
+            _sh("scancel", job)
+
+
+def test_inside_an_allocation_a_detached_step_outlives_its_controller(slurm, tmp_path,
+                                                                      registry_dir):
+    """A detached mesh started as a step of the user's allocation: the step
+    survives its killed controller; attach from outside adopts the step, and
+    stopping the mesh cancels that step only (the allocation stays)."""
+    import monarch_kernel
+    import monarch_kernel.launchers  # noqa: F401 - registers squeue liveness for Slurm records
+    from monarch_kernel.mesh import registry
+
+    driver = tmp_path / "spawn_detached.py"
+    driver.write_text(DETACH_DRIVER)
+    name = f"monarch-alloc-{os.getpid()}"
+    salloc = subprocess.Popen(["salloc", "-n2", "-J", name, "bash", "-c",
+                               f"{sys.executable} {driver} sd-alloc 120 kill; sleep 120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    try:
+        line = ""
+        while not line.startswith("INFO "):
+            line = salloc.stdout.readline()  # type: ignore[union-attr]
+            assert line, "the driver ended without spawning"
+        import json
+
+        info = json.loads(line.split(" ", 1)[1])
+        job, pids = info["job"], info["pids"]
+        alloc = job.split(".")[0]
+        assert "." in job and alloc in _jobs(name), info  # JOB.STEP of the allocation
+        time.sleep(2)
+        assert all(psutil.pid_exists(p) for p in pids)
+        (row,) = [r for r in registry.list_meshes() if r.name == "sd-alloc"]
+        assert (row.state, row.slurm_job) == ("detached", job)
+        m = monarch_kernel.attach("sd-alloc", timeout=30)
+        try:
+            assert m.exec("os.getpid()").values() == pids
+            assert m.exec("counter").values() == [1, 11]
+        finally:
+            m.stop()
+        assert registry.load("sd-alloc") is None
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 20, what="ranks gone")
+        assert alloc in _jobs(name)  # the allocation itself stays
+    finally:
+        for j in _jobs(name):
+            _sh("scancel", j)
+        salloc.kill()
+        salloc.wait(30)
+
+
+def test_a_killed_kernels_slurm_mesh_is_attached_from_a_new_kernel(slurm, registry_dir):
+    """The kernel that spawned a detached Slurm mesh is SIGKILLed; a new kernel
+    attaches through the registry and squeue: same ranks, same state."""
+    ks = KernelSession()  # (the kernel inherits this test's registry directory)
+    job, pids = "", []
+    try:
+        _ok(ks, "import os, monarch_kernel\n"
+                "m = monarch_kernel.spawn_procs({'hosts': 1, 'procs': 2}, launcher='slurm', "
+                "name='sd-kernel', detach=True, keep_alive=300, timeout=90)\n"
+                "m.exec('counter = rank + 100')")
+        pids = eval(_ok(ks, "m.exec('import os\\nos.getpid()').values()").result_text())
+        job = _ok(ks, "m.record.slurm_job").result_text().strip("'")
+        os.kill(ks.pid, signal.SIGKILL)
+        ks.km.provisioner.process.wait(30)  # type: ignore[union-attr]
+    finally:
+        ks.kc.stop_channels()
+        ks.km.cleanup_resources()
+    try:
+        time.sleep(2)
+        assert job in _jobs() and all(psutil.pid_exists(p) for p in pids)
+        ks2 = KernelSession()
+        try:
+            r = _ok(ks2, "import time, monarch_kernel\nt0 = time.monotonic()\n"
+                         "m = monarch_kernel.attach('sd-kernel')\n"
+                         "took = time.monotonic() - t0\n"
+                         "m.exec('import os\\n(os.getpid(), counter)').values()")
+            assert eval(r.result_text()) == [(pids[0], 100), (pids[1], 101)]
+            print("attach from a new kernel took "
+                  + _ok(ks2, "f'{took:.2f} s'").result_text())
+            _ok(ks2, "m.stop()")
+        finally:
+            ks2.shutdown()
+        assert _job_gone(job)
+        assert not list(registry_dir.glob("*.json"))
+    finally:
+        if job and job in _jobs():
+            _sh("scancel", job)

@@ -181,3 +181,32 @@ def test_a_closed_guardian_leaves_the_directory_to_its_controller(tmp_path):
     finally:
         _kill([ctl.pid, guard])
         ctl.wait(10)
+
+
+def test_a_detached_guardian_outlives_its_controller_until_squeue_forgets_the_job(
+        tmp_path, monkeypatch):
+    """The guardian of a detached Slurm mesh: the controller's end changes
+    nothing; once squeue lists the job no more it removes the mesh's record
+    and exits (a squeue that fails concludes nothing)."""
+    done, record = tmp_path / "job-ended", tmp_path / "mesh.json"
+    record.write_text('{"mesh_id": "m1"}')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"  # RUNNING until `done` exists; a failure first
+    squeue.write_text(f"#!/bin/sh\n[ -e {tmp_path}/failed ] || "
+                      f"{{ touch {tmp_path}/failed; echo down >&2; exit 1; }}\n"
+                      f"[ -e {done} ] || echo RUNNING\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    g = Guardian(detached=True)
+    g.ensure()
+    g.watch_job("4242")
+    g.remove_file_at_end(str(record), "m1")
+    pid = g.pid
+    g.release()  # the controller leaves
+    time.sleep(5)  # two squeue rounds: a failure, then RUNNING
+    assert psutil.pid_exists(pid) and record.exists()
+    done.touch()
+    wait_for(lambda: not record.exists(), 15, what="the record removed")
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status()
+             == psutil.STATUS_ZOMBIE, 10, what="the guardian gone")
