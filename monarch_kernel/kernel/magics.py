@@ -446,6 +446,11 @@ class MeshMagics(Magics):
         if dropped:
             print(f"{fmt_bytes(dropped)} of output the ranks printed while detached was "
                   "dropped (beyond the bound kept per rank)", file=sys.stderr)
+        lost = int(getattr(m, "dropped_replies", 0) or 0)
+        if lost:
+            print(f"{lost} repl{'y' if lost == 1 else 'ies'} of requests that finished while "
+                  f"detached {'was' if lost == 1 else 'were'} dropped, the oldest first (beyond "
+                  "the bound kept per rank, MONARCH_DETACH_REPLIES)", file=sys.stderr)
         paused = sorted(m.paused_ranks())
         if paused:
             where = sorted({s.where for s in registry_for(m.controller).sessions("paused")

@@ -4,7 +4,8 @@ One row per mesh of the registry (:func:`monarch_kernel.mesh.registry.list_meshe
 name, shape, state (attached, detached, gone), age, attached to (``pid@host``
 of the controller that holds it, or ``this kernel``), keep-alive left (how long a
 detached mesh waits for a controller before its ranks end themselves) and
-launcher (with the Slurm job). Shown as HTML in a notebook and as a ``rich``
+launcher (with the Slurm job and its state: ``slurm (job 42, RUNNING)``, or
+``PENDING`` while the job waits for its nodes). Shown as HTML in a notebook and as a ``rich``
 table in a terminal (``text/plain``), as ``%mesh status`` is.
 
 This module imports no IPython: the command line uses it too.
@@ -50,7 +51,7 @@ class MeshTable:
     infos : iterable of MeshInfo
         What :func:`~monarch_kernel.mesh.registry.list_meshes` returned (anything
         with its attributes: name, shape, state, age_s, attached_to,
-        keep_alive_left_s, launcher, slurm_job).
+        keep_alive_left_s, launcher, slurm_job, and optionally job_state).
     here : set of str
         Names of the meshes attached to the kernel that shows the table: their
         "attached to" column says ``this kernel``.
@@ -72,6 +73,11 @@ class MeshTable:
         left = getattr(info, "keep_alive_left_s", None)
         launcher = str(getattr(info, "launcher", "") or "")
         job = getattr(info, "slurm_job", None)
+        job_state = getattr(info, "job_state", None)
+        if job:
+            launcher += f" (job {job}, {job_state})" if job_state else f" (job {job})"
+        elif job_state:
+            launcher += f" ({job_state})"
         return {
             "name": str(info.name),
             "shape": human_shape(getattr(info, "shape", None) or {}),
@@ -79,7 +85,7 @@ class MeshTable:
             "age": fmt_duration(getattr(info, "age_s", None)),
             "attached": attached,
             "keep_alive": fmt_duration(left) if state == "detached" else "",
-            "launcher": f"{launcher} (job {job})" if job else launcher,
+            "launcher": launcher,
         }
 
     def __len__(self) -> int:

@@ -34,7 +34,8 @@ one line per event on its stdin:
 ``rmfile PATH TOKEN``
     a file to remove when everything ends (a detached mesh's registry
     record), only if it still contains ``TOKEN`` (the mesh's id: a later
-    mesh of the same name has another).
+    mesh of the same name has another). While the mesh runs, the guardian
+    also keeps that record right about its controller (see below).
 
 A guardian started ``detached`` (the third argument; one per detachable
 mesh) is not tied to its controller: when the controller ends it goes on
@@ -42,7 +43,16 @@ watching the workers (which outlive it, see
 :mod:`monarch_kernel.worker.detach`), ending what is left of each one's
 session as it exits; once every watched worker has ended it removes the
 ``rmdir`` directories and the ``rmfile`` files and exits. Its ``onexit``
-commands never run.
+commands never run. Every :data:`RECORD_POLL` seconds it reads each
+``rmfile`` record (a JSON object whose ``mesh_id`` is ``TOKEN``): when the
+controller it names (``{"pid", "host"}``, on this host, whichever controller
+attached last) no longer runs (gone, or a zombie that nobody reaped), it
+rewrites the record with ``controller`` null and ``last_seen`` set to the
+last moment that controller was known to run (the later of the record's own
+``last_seen`` and the guardian's last look that found it running). The
+ranks start their keep-alive when they notice the death, never before it,
+so a keep-alive counted from ``last_seen`` is never longer than what they
+wait.
 
 When the controller ends (its pidfd becomes readable, or stdin reaches end
 of file: the controller closed it, or died), every watched worker's process
@@ -80,6 +90,8 @@ __all__ = ["DEFAULT_GRACE", "JOB_POLL", "Guardian"]
 DEFAULT_GRACE = 2.0
 #: seconds between a detached guardian's questions to squeue about its jobs
 JOB_POLL = 2.0
+#: seconds between a detached guardian's looks at the controller its records name
+RECORD_POLL = 0.5
 
 
 # ------------------------------------------------------------------ killing
@@ -104,6 +116,23 @@ def _members(ids: set[int]) -> list[tuple[int, int, int]] | None:
         if (pgrp in ids or sid in ids) and state not in (b"Z", b"X"):
             out.append((int(name), pgrp, sid))
     return out
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    if pid < 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _signal_trees(ids: set[int], sig: int) -> set[int]:
@@ -158,6 +187,9 @@ class _Watch:
         self.dirs: set[str] = set()  # removed when the controller ends
         self.pending: dict[int, float] = {}  # pgid -> when SIGKILL is due
         self.ended: set[int] = set()  # workers that ended in this round
+        #: record path -> (controller pid, epoch s) of the last look that found it running
+        self.seen: dict[str, tuple[int, float]] = {}
+        self.records_due = 0.0  # (monotonic) when the records are read next
         self.buf = b""
         self.ctl_fd = self._pidfd(controller)
         if self.ctl_fd is not None:
@@ -331,6 +363,10 @@ class _Watch:
                 self.due()
             if self.jobs:
                 self.check_jobs()
+            if self.files and time.monotonic() >= self.records_due:
+                self.records_due = time.monotonic() + RECORD_POLL
+                for path, token in list(self.files.items()):
+                    self.check_record(path, token)
             if self.watched and not self.workers and not self.pending and not self.jobs:
                 if stdin_open:  # (the commands sent with the last worker's end)
                     os.set_blocking(0, False)
@@ -340,6 +376,43 @@ class _Watch:
             if not stdin_open and not self.watched:
                 self.cleanup()  # (nothing was ever started)
                 return
+
+    def check_record(self, path: str, token: str) -> None:
+        """Mark the record at ``path`` (mesh ``token``) detached if the controller on
+        this host that it names no longer runs (see the module docstring)."""
+        now = time.time()
+        try:
+            with open(path) as f:
+                text = f.read()
+            rec = json.loads(text)
+            ctl = rec.get("controller") if rec.get("mesh_id") == token else None
+            if not isinstance(ctl, dict) or ctl.get("host") != os.uname().nodename:
+                return
+            pid = int(ctl.get("pid", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return
+        if _running(pid):
+            self.seen[path] = (pid, now)
+            return
+        seen_pid, seen_t = self.seen.pop(path, (0, 0.0))
+        last = float(rec.get("last_seen") or 0.0)
+        rec["controller"] = None
+        rec["last_seen"] = max(last, seen_t if seen_pid == pid else 0.0)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(rec, sort_keys=True))
+            with open(path) as f:  # (not if a controller attached meanwhile)
+                if f.read() != text:
+                    os.unlink(tmp)
+                    return
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def check_jobs(self) -> None:
         """Forget the Slurm jobs that squeue lists no more (asked every JOB_POLL s)."""

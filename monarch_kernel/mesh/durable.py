@@ -288,12 +288,14 @@ def record_for(name: str, la: Any, ctl: Controller, shape: dict[str, int], world
                                                **own.get("extra", {})})
 
 
-def mark_detached(rec: MeshRecord) -> None:
-    """Record that no controller holds ``rec``'s mesh from now on (if the record is
-    still that mesh's)."""
+def mark_detached(rec: MeshRecord, at: float | None = None) -> None:
+    """Record that no controller holds ``rec``'s mesh since ``at`` (epoch seconds,
+    default now; pass the moment before the ranks were told, so that the keep-alive
+    the record implies is never longer than the ranks' own), if the record is still
+    that mesh's."""
     cur = registry.load(rec.name)
     if cur is None or cur.mesh_id != rec.mesh_id:
         return
     cur.controller = None
-    cur.last_seen = time.time()
+    cur.last_seen = time.time() if at is None else at
     registry.save(cur)

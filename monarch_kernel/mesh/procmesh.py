@@ -123,6 +123,9 @@ class ProcMesh:
         self.attached_existing = False
         #: what the ranks reported at attach: one row per request they ran (Resumed)
         self.resumed: list[Resumed] = []
+        #: replies of requests finished while detached that the ranks dropped beyond
+        #: their bound (``MONARCH_DETACH_REPLIES`` per rank), summed over the ranks
+        self.dropped_replies = 0
         self.record: registry.MeshRecord | None = None
         self._gone: str | None = None  # why this handle no longer drives the mesh
         self._actor_meshes: dict[str, Any] = {}  # name -> ActorMesh (spawned or reported)
@@ -499,6 +502,7 @@ class ProcMesh:
         ctl = root.controller
         live = [r for r, i in ctl.ranks.items() if i.state not in ("dead", "stopped",
                                                                    "starting")]
+        told = time.time()  # (the ranks' keep-alive starts after this)
         try:  # (a reply each: the ranks heard it before this side closes)
             req = ctl.request(live, "detach") if live else None
             if req is not None:
@@ -513,7 +517,7 @@ class ProcMesh:
         release = getattr(root.launcher, "release", None)
         if release is not None:
             release()
-        durable.mark_detached(root.record)
+        durable.mark_detached(root.record, at=told)
         _live.discard(root)
 
     def _taken_over(self, pid: Any, host: Any) -> None:
@@ -695,6 +699,8 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
         ctl.listeners.remove(states)
         ctl.settle_resumed()
         mesh.resumed = states.resumed()
+        mesh.dropped_replies = sum(int(st.get("dropped_replies") or 0)
+                                   for st in states.states.values())
         for r, st in states.states.items():
             mesh._reported_actors[r] = st.get("actors") or {}
             if st.get("paused"):
@@ -847,7 +853,10 @@ def spawn_procs(
         Spawn the mesh detachable (needs ``name``): its workers outlive this
         controller (see :meth:`ProcMesh.detach`), keeping their state, what they
         run and its output (at most ``MONARCH_DETACH_OUTPUT_BYTES`` bytes per
-        rank, 8 MiB by default; what is dropped beyond that is counted), until
+        rank, 8 MiB by default; what is dropped beyond that is counted) and the
+        replies of what finished (at most ``MONARCH_DETACH_REPLIES`` per rank,
+        1024 by default; the oldest beyond that are dropped, counted in the
+        attached mesh's ``dropped_replies``), until
         a controller attaches (:func:`attach`) or ``keep_alive`` passes.
         Without it (the default) the workers end with this controller, as ever.
     keep_alive : float or None

@@ -83,7 +83,10 @@ class MeshRecord:
         ``{"pid": int, "host": str}`` of the attached controller; None while detached.
     last_seen : float
         Epoch seconds of the last time a controller confirmed it was attached
-        (or detached from it).
+        (or detached from it); while ``controller`` is None, a moment no later
+        than the one the ranks started their keep-alive (the mesh's guardian
+        sets it, with ``controller`` None, when the controller dies without
+        detaching).
     slurm_job : str or None
     mesh_id : str
         A random id of this mesh (a later mesh of the same name has another).

@@ -20,7 +20,12 @@ from an ordinary one in four ways:
   detached, and shown as background output at attach. All of it is bounded
   by ``MONARCH_DETACH_OUTPUT_BYTES`` bytes (default 8 MiB) per rank: beyond
   that the oldest output goes first and the dropped bytes are counted (per
-  request and in all) and reported.
+  request and in all) and reported. The replies of requests that finish
+  while detached are kept too, at most ``MONARCH_DETACH_REPLIES`` of them
+  (default 1024) per rank: beyond that the oldest kept reply goes first, with
+  its request's kept output (whose bytes count as dropped); the request is
+  then not reported at attach, and the number of replies dropped is
+  (``dropped_replies`` of the state reported at attach).
 * Every message to the controller is encoded and sent under one lock
   (:attr:`Detachable.lock`), so that a take-over is atomic with respect to
   output: what was journalled before it is in the hello the new controller
@@ -71,14 +76,15 @@ from monarch_kernel.transport.sockets import (
     is_loopback,
     send_frames,
 )
+from monarch_kernel.util.procs import running
 from monarch_kernel.wire import messages, protocol
 from monarch_kernel.worker import handlers, telemetry
 from monarch_kernel.worker.io import exit_process
 
 log = logging.getLogger("monarch_kernel.worker.worker")
 
-__all__ = ["ATTACH_ENV", "DEFAULT_OUTPUT_BYTES", "KEEP_ALIVE_ENV", "OUTPUT_BYTES_ENV",
-           "Detachable", "register_reporter"]
+__all__ = ["ATTACH_ENV", "DEFAULT_OUTPUT_BYTES", "DEFAULT_REPLIES", "KEEP_ALIVE_ENV",
+           "OUTPUT_BYTES_ENV", "REPLIES_ENV", "Detachable", "register_reporter"]
 
 #: the environment variable holding a rank's attach endpoint (set: a detachable worker)
 ATTACH_ENV = "MONARCH_ATTACH_ENDPOINT"
@@ -89,6 +95,9 @@ KEEP_ALIVE_ENV = "MONARCH_DETACH_KEEP_ALIVE"
 #: bytes of output a worker keeps for replay (per rank)
 OUTPUT_BYTES_ENV = "MONARCH_DETACH_OUTPUT_BYTES"
 DEFAULT_OUTPUT_BYTES = 8 << 20
+#: replies of requests finished while detached that a worker keeps (per rank)
+REPLIES_ENV = "MONARCH_DETACH_REPLIES"
+DEFAULT_REPLIES = 1024
 DEFAULT_KEEP_ALIVE = 3600.0
 #: requests with kept output beyond which those nobody waits for are forgotten
 MAX_ENTRIES = 256
@@ -123,12 +132,10 @@ def _holder_alive(holder: dict[str, Any] | None) -> bool:
     if holder.get("host") != socket.gethostname():
         return True
     try:
-        os.kill(int(holder.get("pid", 0)), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, OverflowError):
+        pid = int(holder.get("pid", 0))
+    except (TypeError, ValueError):
         return True
-    return True
+    return running(pid)  # (a zombie, killed and not yet reaped, is gone)
 
 
 class Detachable:
@@ -145,12 +152,20 @@ class Detachable:
         Seconds detached before the worker exits.
     bound : int
         Bytes of output kept per rank.
+    replies : int
+        Replies of requests finished while detached kept per rank (the oldest
+        beyond that are dropped and counted, see the module docstring).
     """
 
-    def __init__(self, worker: Any, endpoint: str, keep_alive: float, bound: int) -> None:
+    def __init__(self, worker: Any, endpoint: str, keep_alive: float, bound: int,
+                 replies: int = DEFAULT_REPLIES) -> None:
         self.w = worker
         self.keep_alive = keep_alive
         self.bound = max(0, bound)
+        self.max_replies = max(0, replies)
+        #: requests whose reply came while detached, oldest first (bounded: max_replies)
+        self.kept: collections.deque[str] = collections.deque()
+        self.dropped_replies = 0  # replies dropped since the last attach
         #: held while a message is encoded and sent, and while a controller takes over
         self.lock = threading.RLock()
         self.detached = False
@@ -221,11 +236,10 @@ class Detachable:
                 # (output of no request is kept only while detached, under "")
                 self._keep(parent or "", content["name"], content["text"])
             elif type == "reply" and parent:
-                self.journal.setdefault(parent, _Entry()).reply = content
+                self._reply(parent, content)
             elif type == "replies":
                 for p, v in content:
-                    self.journal.setdefault(str(p), _Entry()).reply = {"status": "ok",
-                                                                       "value": v}
+                    self._reply(str(p), {"status": "ok", "value": v})
             if self.detached:
                 return
             w = self.w
@@ -239,6 +253,24 @@ class Detachable:
             elif type == "replies":
                 for p, _ in content:
                     self._delivered(str(p))
+
+    def _reply(self, parent: str, content: dict[str, Any]) -> None:
+        """Keep the reply of request ``parent``; while detached, at most
+        :attr:`max_replies` of them, the oldest dropped first (lock held)."""
+        e = self.journal.setdefault(parent, _Entry())
+        new = e.reply is None
+        e.reply = content
+        if not (new and self.detached):
+            return
+        self.kept.append(parent)
+        while len(self.kept) > self.max_replies:
+            old = self.kept.popleft()
+            o = self.journal.get(old)
+            if o is None or o.reply is None or o.delivered:
+                continue
+            self.dropped += o.nbytes
+            self._forget(old)
+            self.dropped_replies += 1
 
     def _keep(self, parent: str, name: str, text: str) -> None:
         e = self.journal.get(parent)
@@ -398,7 +430,9 @@ class Detachable:
             for p in [p for p, e in self.journal.items() if e.reply is not None or not p]:
                 self._forget(p)  # (handed over in the hello)
             self.delivered.clear()
+            self.kept.clear()
             self.dropped = 0
+            self.dropped_replies = 0
             return {"ok": True, "pid": os.getpid()}
 
     def report(self) -> dict[str, Any]:
@@ -428,7 +462,9 @@ class Detachable:
         state: dict[str, Any] = {"pid": os.getpid(), "requests": running,
                                  "background": background,
                                  "dropped": self.dropped, "paused": paused,
-                                 "bound": self.bound}
+                                 "bound": self.bound,
+                                 "dropped_replies": self.dropped_replies,
+                                 "max_replies": self.max_replies}
         for fn in _reporters:
             try:
                 state.update(fn(w))
@@ -444,19 +480,23 @@ def from_environment(worker: Any) -> Detachable | None:
     Raises
     ------
     ValueError
-        For a keep-alive or output bound that is not a positive number.
+        For a keep-alive that is not a positive number, or an output or reply
+        bound that is negative.
     """
     endpoint = os.environ.pop(ATTACH_ENV, "")
     holder = os.environ.pop(HOLDER_ENV, "")
     keep = os.environ.pop(KEEP_ALIVE_ENV, "")
     bound = os.environ.pop(OUTPUT_BYTES_ENV, "")
+    replies = os.environ.pop(REPLIES_ENV, "")
     if not endpoint:
         return None
     keep_alive = float(keep) if keep else DEFAULT_KEEP_ALIVE
     nbytes = int(bound) if bound else DEFAULT_OUTPUT_BYTES
-    if not keep_alive > 0 or nbytes < 0:
-        raise ValueError(f"{KEEP_ALIVE_ENV} must be > 0 and {OUTPUT_BYTES_ENV} >= 0")
-    d = Detachable(worker, endpoint, keep_alive, nbytes)
+    nreplies = int(replies) if replies else DEFAULT_REPLIES
+    if not keep_alive > 0 or nbytes < 0 or nreplies < 0:
+        raise ValueError(f"{KEEP_ALIVE_ENV} must be > 0, {OUTPUT_BYTES_ENV} and "
+                         f"{REPLIES_ENV} >= 0")
+    d = Detachable(worker, endpoint, keep_alive, nbytes, nreplies)
     pid, _, host = holder.partition("@")
     if pid.isdigit():
         d.holder = {"pid": int(pid), "host": host}

@@ -48,6 +48,7 @@ from monarch_kernel.transport.lane import Lane
 from monarch_kernel.transport.sockets import FdPoller, drain, send_frames
 from monarch_kernel.util.droplog import DropLog
 from monarch_kernel.util.flag import Flag
+from monarch_kernel.util.procs import running
 from monarch_kernel.util.switches import peer_lead_enabled
 from monarch_kernel.wire import messages, protocol, shm
 from monarch_kernel.wire.shm import NAME_RE
@@ -323,13 +324,7 @@ class WorkerIO:
         pid = self.host.controller_pid
         if pid is None:
             return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return running(pid)  # (a zombie, killed and not yet reaped, is gone)
 
 
 def _on_interrupt(worker: Any, msg: protocol.Message) -> None:

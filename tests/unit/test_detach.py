@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -500,3 +501,123 @@ def test_rank_that_finished_before_the_kill_is_shown_too(reg):
         finally:
             m.stop()
         _assert_gone(c.info, name)
+
+
+def _zombie() -> subprocess.Popen:
+    """A child that ended and that this process has not reaped (the caller waits)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    _wait(lambda: psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE, 30,
+          "the child to end")
+    return p
+
+
+def test_a_zombie_controller_counts_as_gone():
+    """A controller that was killed but not reaped yet (a zombie) counts as gone for
+    the workers (their holder, an ordinary rank's controller) and the registry."""
+    from monarch_kernel.util.procs import running
+    from monarch_kernel.worker import detach
+
+    p = _zombie()
+    try:
+        assert not running(p.pid)
+        assert not detach._holder_alive({"pid": p.pid, "host": socket.gethostname()})
+        assert not registry.pid_alive(p.pid)
+        assert running(os.getpid()) and running(1)  # (pid 1: another user's counts)
+    finally:
+        p.wait(10)
+    assert not running(p.pid)
+
+
+def test_killed_controller_listed_detached_and_attachable_while_a_zombie(reg):
+    """The controller is SIGKILLed and left unreaped (a zombie): the mesh's guardian
+    marks the record detached (controller None, last_seen no later than the kill and
+    later than the spawn), the listing says detached with a keep-alive never longer
+    than the ranks', and an attach is not refused as busy."""
+    name, keep = _name(), 120.0
+    with child(name, "kill", keep=keep, lines=1) as c:
+        c.read_until("STARTED")
+        spawned = registry.load(name)
+        assert spawned is not None and spawned.controller is not None
+        assert spawned.controller["pid"] == c.proc.pid
+        time.sleep(1.5)  # (the guardian looks at the record while the controller runs)
+        t_kill = time.time()
+        os.kill(c.proc.pid, signal.SIGKILL)  # (not reaped: a zombie)
+        _wait(lambda: psutil.Process(c.proc.pid).status() == psutil.STATUS_ZOMBIE, 10,
+              "the controller to be a zombie")
+        _wait(lambda: (registry.load(name) or spawned).controller is None, 15,
+              "the guardian to mark the record detached")
+        rec = registry.load(name)
+        assert rec is not None and spawned.last_seen < rec.last_seen <= t_kill
+        t_list = time.time()
+        [row] = [i for i in registry.list_meshes() if i.name == name]
+        assert row.state == "detached" and row.attached_to is None
+        left = row.keep_alive_left_s
+        assert left is not None and 0 < left <= keep - (t_list - t_kill)
+        assert psutil.Process(c.proc.pid).status() == psutil.STATUS_ZOMBIE
+        m = mk.attach(name, timeout=20)
+        try:
+            assert sorted(int(s["pid"]) for s in m.status()) == sorted(
+                c.info["pids"].values())
+            rec = registry.load(name)
+            assert rec is not None
+            assert rec.controller == {"pid": os.getpid(), "host": socket.gethostname()}
+        finally:
+            m.stop()
+        _assert_gone(c.info, name)
+
+
+#: a controller that spawns a detachable 2-rank mesh and starts 12 requests that wait
+#: for a mark file (argv[2]); the last one says it finished by a file per rank
+MANY = r"""
+import json, sys, time
+import monarch_kernel as mk
+name, mark = sys.argv[1], sys.argv[2]
+m = mk.spawn_procs(2, name=name, detach=True, keep_alive=120)
+print("PIDS " + json.dumps({"pids": m.record.pids, "dir": m.record.mesh_dir,
+                            "guardian": m.record.guardian_pid}), flush=True)
+for i in range(12):
+    m.run("import os, time\n"
+          f"while not os.path.exists({mark!r}): time.sleep(0.02)\n"
+          f"if {i} == 11: open({mark!r} + f'.done{{rank}}', 'w').close()\n"
+          f"{i}")
+print("STARTED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_replies_beyond_the_bound_are_dropped_oldest_first_and_counted(reg, tmp_path):
+    """Requests that finish while detached keep their replies up to
+    MONARCH_DETACH_REPLIES per rank: the oldest beyond it are dropped, counted in
+    dropped_replies at attach; the newest are followed as usual."""
+    name = _name()
+    mark = str(tmp_path / "go")
+    c = Child.__new__(Child)
+    c.proc = subprocess.Popen([sys.executable, "-c", MANY, name, mark],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "MONARCH_DETACH_REPLIES": "3"})
+    c.info = {}
+    try:
+        c.read_until("STARTED")
+        c.kill()  # (no request has finished: they wait for the mark)
+        _wait(lambda: getattr(registry.load(name), "controller", 1) is None, 15,
+              "the record to say detached")
+        time.sleep(2.0)  # (the ranks notice within a heartbeat, 1 s)
+        Path(mark).touch()
+        _wait(lambda: all(os.path.exists(f"{mark}.done{r}") for r in range(2)), 60,
+              "the requests to finish")
+        time.sleep(0.5)  # (the last replies are kept just after the files)
+        m = mk.attach(name, timeout=20)
+        try:
+            assert m.dropped_replies == 2 * 9
+            assert len(m.resumed) == 3
+            assert all(r.finished_while_detached for r in m.resumed)
+            results = m.follow(timeout=30)
+            assert sorted(v for vm in results for v in vm.values()) == [9, 9, 10, 10, 11, 11]
+        finally:
+            m.stop()
+    finally:
+        c.kill()
+        for pid in c.info.get("pids", {}).values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    _assert_gone(c.info, name)

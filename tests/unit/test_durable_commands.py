@@ -83,6 +83,7 @@ class Info:
     keep_alive_left_s: float | None
     launcher: str = "local"
     slurm_job: str | None = None
+    job_state: str | None = None
 
 
 def test_mesh_table_rows_in_words():
@@ -104,6 +105,17 @@ def test_mesh_table_rows_in_words():
     assert "<table>" in t._repr_html_() and "train" in t._repr_html_()
     plain = t.plain().splitlines()
     assert plain[0].split()[:3] == ["name", "shape", "state"] and len(plain) == 4
+
+
+def test_mesh_table_shows_the_slurm_job_state():
+    """A Slurm mesh's row says its job's state (RUNNING, or PENDING while it waits)."""
+    infos = [Info("a", {"procs": 2}, "detached", 5, None, 60, "slurm", "77", "RUNNING"),
+             Info("b", {"procs": 2}, "detached", 5, None, 60, "slurm", "78", "PENDING"),
+             Info("c", {"procs": 2}, "detached", 5, None, 60, "slurm", "79")]
+    rows = {r["name"]: r["launcher"] for r in MeshTable(infos).rows}
+    assert rows == {"a": "slurm (job 77, RUNNING)", "b": "slurm (job 78, PENDING)",
+                    "c": "slurm (job 79)"}
+    assert "PENDING" in MeshTable(infos).plain() and "RUNNING" in repr(MeshTable(infos))
 
 
 def test_empty_mesh_table_says_how_to_make_one():
