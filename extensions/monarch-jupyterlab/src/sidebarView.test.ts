@@ -1,6 +1,7 @@
 import { describe, expect, it, vi } from 'vitest';
 import {
   fmtBytes,
+  fmtDuration,
   fmtPct,
   humanShape,
   IKernelState,
@@ -146,5 +147,23 @@ describe('renderDashboard', () => {
     expect(totals).toContain('10%'); // 0 + 10 + 0 (rank 2 paused), rank 3 dead
     renderDashboard(node, null, 'gone');
     expect(node.textContent).toContain('Mesh gone is not running');
+  });
+});
+
+describe('durable meshes', () => {
+  it('shows the name, "durable" and the keep-alive the kernel sends', () => {
+    expect(fmtDuration(42)).toBe('42s');
+    expect(fmtDuration(3900)).toBe('1h 05m');
+    expect(fmtDuration(null)).toBe('');
+    const node = document.createElement('div');
+    renderSidebar(node, state([mesh({ name: 'train', detached: true, keep_alive: 3600 }),
+      mesh({ name: 'plain', detached: false, keep_alive: null })]), actions());
+    const train = node.querySelector('[data-mesh="train"]') as HTMLElement;
+    expect(train.querySelector('.mk-sb-mesh-name')?.textContent).toBe('train');
+    const badge = train.querySelector('.mk-sb-durable') as HTMLElement;
+    expect(badge.textContent).toBe('durable · keep-alive 1h 00m');
+    expect(badge.title).toContain('%mesh attach train');
+    const plain = node.querySelector('[data-mesh="plain"]') as HTMLElement;
+    expect(plain.querySelector('.mk-sb-durable')).toBeNull();
   });
 });

@@ -41,6 +41,10 @@ export interface IMeshState {
   size: number;
   status: string;
   current: boolean;
+  /** a durable mesh (`%mesh spawn --detach`): it outlives the kernel */
+  detached?: boolean;
+  /** seconds a durable mesh waits for a kernel once detached (null: not durable) */
+  keep_alive?: number | null;
   hosts: { host: string; ranks: IRankRow[] }[];
 }
 
@@ -75,6 +79,26 @@ export function fmtBytes(n: number | null | undefined): string {
     return `${Math.round(v)} B`;
   }
   return `${Math.abs(v) >= 100 ? v.toFixed(0) : v.toFixed(1)} ${units[i]}`;
+}
+
+/** `42` -> `"42s"`, `600` -> `"10m"`, `3900` -> `"1h 05m"`, `90000` -> `"1d 01h"`
+ * (as `%mesh list` writes them); null -> `""`. */
+export function fmtDuration(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !isFinite(seconds)) {
+    return '';
+  }
+  const s = Math.max(0, Math.round(seconds));
+  const two = (n: number) => String(n).padStart(2, '0');
+  if (s < 60) {
+    return `${s}s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)}m` + (s < 600 && s % 60 ? ` ${two(s % 60)}s` : '');
+  }
+  if (s < 86400) {
+    return `${Math.floor(s / 3600)}h ${two(Math.floor((s % 3600) / 60))}m`;
+  }
+  return `${Math.floor(s / 86400)}d ${two(Math.floor((s % 86400) / 3600))}h`;
 }
 
 /** `12.3` -> `"12%"`, `3.21` -> `"3.2%"`; null -> `""`. */
@@ -230,6 +254,14 @@ export function renderMesh(mesh: IMeshState, actions: ISidebarActions): HTMLElem
     el('span', 'mk-sb-mesh-name', mesh.name),
     el('span', 'mk-sb-shape', `${humanShape(mesh.shape)}${mesh.current ? ' · current' : ''}`)
   );
+  if (mesh.detached) {
+    const keep = fmtDuration(mesh.keep_alive);
+    const badge = el('span', 'mk-sb-durable', keep ? `durable · keep-alive ${keep}` : 'durable');
+    badge.title = `Mesh ${mesh.name} outlives this kernel: shut down or restarted, the kernel ` +
+      `detaches it` + (keep ? `, and its ranks wait ${keep} for a kernel to attach ` +
+      `(%mesh attach ${mesh.name})` : '');
+    title.append(badge);
+  }
   const buttons = el('div', 'mk-sb-mesh-buttons');
   buttons.append(
     button('mk-sb-dashboard', 'Dashboard', `Open mesh ${mesh.name}'s dashboard in the main area`,
