@@ -1,0 +1,61 @@
+"""What ``%mesh attach`` shows of a cell that ran while no kernel was attached:
+a cell that finished while detached shows every line once and its result; the
+messages of a mesh stopped from a shell and of a lost mesh name what to do.
+
+Real kernels (jupyter_client), a registry of the test's own, every mesh stopped
+at the end (helpers of ``test_durable_kernel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+
+import pytest
+from test_durable_kernel import cleanup, cli, end_kernel, ok, registry, stream_text  # noqa: F401
+
+from monarch_kernel.testing.kernel import KernelSession, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+SHORT_CELL = """%%mesh
+import time
+for i in range(15):
+    print(f"short line {i}", flush=True)
+    time.sleep(0.1)
+open(f"{_dir}/ended-{rank}", "w").close()
+f"result {rank}"
+"""
+
+
+def test_a_cell_that_finished_while_detached_shows_its_lines_and_result(registry, tmp_path):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup(registry, "t"):
+        try:
+            ok(k1.execute("%mesh spawn 4 --name t --detach", timeout=120))
+            ok(k1.execute(f"%%mesh\n_dir = {str(tmp_path)!r}"))
+            msg_id = k1.kc.execute(SHORT_CELL)
+            seen: list[dict] = []
+            deadline = time.monotonic() + 60
+            while "short line 13" not in stream_text(seen) and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    m = k1.kc.get_iopub_msg(timeout=0.2)
+                    if m["parent_header"].get("msg_id") == msg_id:
+                        seen.append(m)
+            end_kernel(k1, "sigkill")
+            wait_for(lambda: len(list(tmp_path.glob("ended-*"))) == 4, 30,
+                     what="the cell ended on every rank")
+            k2 = KernelSession()
+            r = ok(k2.execute("%mesh attach t", timeout=120))
+            text = r.stream()
+            shown = [int(n) for n in re.findall(r"short line (\d+)", text)]
+            assert sorted(set(shown)) == list(range(15)), text
+            assert len(shown) == len(set(shown)), f"lines shown twice: {text}"
+            res = r.result_text() + text
+            assert "result 0" in res and "result 3" in res, (r.result_text(), text)
+        finally:
+            for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
+                with contextlib.suppress(Exception):
+                    ks.shutdown()
