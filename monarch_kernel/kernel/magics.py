@@ -151,11 +151,27 @@ def _magic_words(message: str, name: str) -> str:
 
 def _steal_hint(message: str, name: str) -> str:
     """A busy mesh's message in the magic's words (``--steal``, not ``steal=True``)."""
-    text = re.sub(r"steal=True \((%mesh [^)]*)\)", r"\1", message)
+    text = re.sub(r"monarch_kernel\.attach\([^)]*steal=True\) \((%mesh [^)]*)\)", r"\1",
+                  message)
+    text = re.sub(r"steal=True \((%mesh [^)]*)\)", r"\1", text)
     text = text.replace("steal=True", f"%mesh attach {name} --steal")
     if "--steal" not in text:
         text += f"; take it over with  %mesh attach {name} --steal"
     return text
+
+
+def _attach_hint() -> str:
+    """How to drive a durable mesh again: ``"; or ... %mesh attach train"`` naming the
+    live durable meshes of this user (at most three), or ``%mesh attach NAME``."""
+    try:
+        names = sorted(r.name for r in mesh_registry.records() if mesh_registry.alive(r))
+    except (OSError, MonarchError):
+        names = []
+    if not names:
+        return "; a durable mesh is driven again with  %mesh attach NAME  (%mesh list)"
+    shown = ", ".join(f" %mesh attach {n} " for n in names[:3])
+    more = " (%mesh list shows all)" if len(names) > 3 else ""
+    return f"; or drive a durable mesh of yours again: {shown}{more}"
 
 
 def _still_running(r: Any) -> bool:
@@ -209,10 +225,15 @@ class MeshMagics(Magics):
             if "taken over" in lost:
                 raise UsageError(f"{lost.split('; ')[0]}: this kernel lost it;  %mesh attach "
                                  f"{name} --steal  takes it back")
+            if "was stopped by" in lost:  # (python -m monarch_kernel meshes stop, stop_mesh)
+                raise UsageError(f"{lost.split(', from outside')[0]}, from outside this "
+                                 f"kernel; start a new one with  %mesh spawn 4 --name {name} "
+                                 "--detach")
             raise UsageError(f"mesh {name!r}: {lost}")
         if m is None or m.root._stopped:
             raise UsageError("no mesh is running; start one first with  %mesh spawn 4  (or "
-                             "%mesh use NAME for a mesh made with spawn_procs in a cell)")
+                             "%mesh use NAME for a mesh made with spawn_procs in a cell)"
+                             + _attach_hint())
         return m
 
     def forget(self, name: str, m: ProcMesh) -> None:
@@ -334,16 +355,18 @@ class MeshMagics(Magics):
             print(f"stopping the previous mesh {name!r} ({human_shape(old.shape.dims)})")
             old.stop()
         durable: dict[str, Any] = {}
-        if a.detach:
-            durable = {"name": name, "detach": True, "keep_alive": a.keep_alive}
+        if a.detach:  # (get-or-spawn here: one line says so, the kernel's)
+            durable = {"name": name, "detach": True, "keep_alive": a.keep_alive,
+                       "attach_existing": False}
         t0 = time.monotonic()
         try:
-            m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
-                            restart=a.restart, max_restarts=a.max_restarts,
-                            heartbeat=a.heartbeat, timeout=a.timeout,
-                            telemetry_interval=a.telemetry_interval, force=a.force,
-                            on_output=BackgroundOutput(),  # (broadcasts, background threads)
-                            **durable)
+            found = self._running(name, a.timeout) if a.detach else None
+            m = found if found is not None else spawn_procs(
+                dims, dist=a.dist, launcher=launcher, bind=a.bind, restart=a.restart,
+                max_restarts=a.max_restarts, heartbeat=a.heartbeat, timeout=a.timeout,
+                telemetry_interval=a.telemetry_interval, force=a.force,
+                on_output=BackgroundOutput(),  # (broadcasts, background threads)
+                **durable)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         except MeshBusyError as e:
@@ -507,6 +530,26 @@ class MeshMagics(Magics):
                 shown.close()
                 self._rank_display = None
         finish_cell(m, req, lambda text: write_stream("stderr", text))
+
+    @staticmethod
+    def _running(name: str, timeout: float | None) -> ProcMesh | None:
+        """Durable mesh ``name`` of this user attached, if one is alive, else None.
+
+        Raises
+        ------
+        MeshBusyError
+            If another live controller holds it.
+        """
+        rec = mesh_registry.load(name)
+        if rec is None or not mesh_registry.alive(rec):
+            return None
+        try:
+            m = mk.attach(name, timeout=timeout if timeout is not None else 30.0,
+                          on_output=BackgroundOutput())
+        except NoMeshError:  # (it ended just now)
+            return None
+        m.attached_existing = True
+        return m
 
     def _detach(self, name: str, m: ProcMesh) -> None:
         """Let go of durable mesh ``name``: its ranks keep running."""

@@ -397,7 +397,8 @@ class Detachable:
             if held:  # taken over: the old controller is told, then left
                 try:
                     w.send_encoded(w.codec.encode("event", {
-                        "kind": "taken_over", "pid": c["pid"], "host": c["host"]}))
+                        "kind": "taken_over", "pid": c["pid"], "host": c["host"],
+                        "stop": bool(c.get("stop"))}))
                 except Exception:  # noqa: BLE001 - it learns anyway: its rank is silent
                     log.debug("could not tell the old controller", exc_info=True)
             self._last_attach = t

@@ -59,3 +59,35 @@ def test_a_cell_that_finished_while_detached_shows_its_lines_and_result(registry
             for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
                 with contextlib.suppress(Exception):
                     ks.shutdown()
+
+
+def test_get_or_spawn_says_one_line_and_a_lost_mesh_says_what_to_do(registry):
+    k = KernelSession()
+    with cleanup(registry, "g"):
+        try:
+            ok(k.execute("%mesh spawn 4 --name g --detach", timeout=120))
+            ok(k.execute("%mesh detach"))
+            r = k.execute("%%mesh\nx = 1")
+            assert r.status == "error" and "%mesh attach g" in r.error_text(), r.error_text()
+
+            r = ok(k.execute("%mesh spawn 4 --name g --detach", timeout=120))
+            lines = [ln for ln in r.stream().splitlines() if ln.strip()]
+            assert len(lines) == 1 and "alive already" in lines[0], r.stream()
+
+            stop = cli("meshes", "stop", "g")
+            assert stop.returncode == 0, stop.stderr
+
+            told: list[str] = []
+
+            def said() -> bool:  # (said once: the kernel then forgets the mesh)
+                r = k.execute("%%mesh\nx = 2")
+                told.append("" if r.status == "ok" else r.error_text())
+                return "was stopped by pid" in told[-1] or "no mesh is running" in told[-1]
+            wait_for(said, 20, what="the kernel told")
+            text = told[-1]
+            assert "was stopped by pid" in text, told
+            assert "from outside this kernel" in text and "--steal" not in text, text
+            assert "taken over" not in text, text
+        finally:
+            with contextlib.suppress(Exception):
+                k.shutdown()
