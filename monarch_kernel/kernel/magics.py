@@ -11,6 +11,7 @@ the kernel stays usable.
 from __future__ import annotations
 
 import argparse
+import queue
 import re
 import shlex
 import sys
@@ -522,6 +523,7 @@ class MeshMagics(Magics):
         self.running_cell = (m.root, req, self._last_cell[0])  # (the sidebar: "running")
         try:
             self._debug_console.serve()  # (ranks of it paused in pdb while detached)
+            self._replay(req, printer)
             self._pump(req, printer, time.monotonic(), None, None)
         finally:
             self.running_cell = None
@@ -550,6 +552,37 @@ class MeshMagics(Magics):
             return None
         m.attached_existing = True
         return m
+
+    def _replay(self, req: Request, printer: RankPrinter) -> None:
+        """Show the events already queued for resumed request ``req`` (the output
+        the ranks kept, which came rank by rank) as live output comes: chunk
+        ``i`` of every rank, ranks in order, then chunk ``i + 1``, so the printer
+        folds identical lines of several ranks. Stops at the first event other
+        than output (shown after the output before it), leaving the rest to
+        :meth:`_pump`."""
+        per_rank: dict[int, list[tuple]] = {}
+        other = None
+        while True:
+            try:
+                ev = req.events.get_nowait()
+            except queue.Empty:
+                break
+            if ev[0] != "stream":
+                other = ev
+                break
+            per_rank.setdefault(ev[1], []).append(ev)
+        if per_rank:
+            streams = [per_rank[r] for r in sorted(per_rank)]
+            for i in range(max(map(len, streams))):
+                for evs in streams:
+                    if i < len(evs):
+                        self.show_event(evs[i], printer)
+            printer.flush_lines()
+        if other is not None:
+            if other[0] == "done":
+                req.events.put(other)  # (the end: for _pump, after everything)
+            else:
+                self.show_event(other, printer)
 
     def _detach(self, name: str, m: ProcMesh) -> None:
         """Let go of durable mesh ``name``: its ranks keep running."""

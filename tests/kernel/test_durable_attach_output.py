@@ -91,3 +91,48 @@ def test_get_or_spawn_says_one_line_and_a_lost_mesh_says_what_to_do(registry):
         finally:
             with contextlib.suppress(Exception):
                 k.shutdown()
+
+
+RUNNING_CELL = """%%mesh
+import time
+for i in range(120):
+    print(f"same line {i}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_replayed_output_folds_like_live_output(registry):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup(registry, "f"):
+        try:
+            ok(k1.execute("%mesh spawn 4 --name f --detach", timeout=120))
+            msg_id = k1.kc.execute(RUNNING_CELL)
+            seen: list[dict] = []
+            deadline = time.monotonic() + 60
+            while "same line 3" not in stream_text(seen) and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    m = k1.kc.get_iopub_msg(timeout=0.2)
+                    if m["parent_header"].get("msg_id") == msg_id:
+                        seen.append(m)
+            end_kernel(k1, "sigkill")
+            time.sleep(3)  # (lines printed while no kernel is attached)
+            k2 = KernelSession()
+            r = ok(k2.execute("%mesh attach f", timeout=120))
+            text = r.stream()
+            # the replay (lines 0-39 at least: printed before the attach) is folded
+            # and in order, as live output is; every rank's every line shown once
+            folded = [int(n) for n in re.findall(r"^\[0-3\] same line (\d+)", text, re.M)]
+            assert folded[:40] == list(range(40)), f"replay not folded: {text[:2000]}"
+            per_rank: dict[int, list[int]] = {r: [] for r in range(4)}
+            for tag, n in re.findall(r"^\[([0-9, -]+)\] same line (\d+)", text, re.M):
+                for part in tag.split(","):
+                    lo, _, hi = part.strip().partition("-")
+                    for rk in range(int(lo), int(hi or lo) + 1):
+                        per_rank[rk].append(int(n))
+            for rk, got in per_rank.items():
+                assert got == list(range(120)), f"rank {rk}: {got}\n{text}"
+        finally:
+            for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
+                with contextlib.suppress(Exception):
+                    ks.shutdown()
