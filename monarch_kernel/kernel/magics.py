@@ -494,6 +494,7 @@ class MeshMagics(Magics):
         except KeyboardInterrupt:
             if not self.shutting_down.is_set():  # (a kernel going away says nothing here)
                 self._detach(name, m)
+                self._show_rest(reqs)  # (the ranks count it shown: not replayed again)
                 print(f"interrupted: the ranks keep running; mesh {name!r} is detached again "
                       f"(%mesh attach {name} to follow it again)", file=sys.stderr)
             return None
@@ -553,6 +554,20 @@ class MeshMagics(Magics):
         m.attached_existing = True
         return m
 
+    @staticmethod
+    def _show_rest(reqs: list[Request]) -> None:
+        """Show the output of ``reqs`` that reached this kernel but was not shown yet."""
+        printer = RankPrinter(write_stream)
+        for req in reqs:
+            while True:
+                try:
+                    ev = req.events.get_nowait()
+                except queue.Empty:
+                    break
+                if ev[0] == "stream":
+                    printer.feed(ev[1], ev[2], ev[3])
+        printer.close()
+
     def _replay(self, req: Request, printer: RankPrinter) -> None:
         """Show the events already queued for resumed request ``req`` (the output
         the ranks kept, which came rank by rank) as live output comes: chunk
@@ -585,8 +600,9 @@ class MeshMagics(Magics):
                 self.show_event(other, printer)
 
     def _detach(self, name: str, m: ProcMesh) -> None:
-        """Let go of durable mesh ``name``: its ranks keep running."""
-        m.detach()
+        """Let go of durable mesh ``name``: its ranks keep running; what they sent
+        so far was shown here (not replayed at the next attach)."""
+        m.detach(shown=True)
         if self.meshes.get(name) is m:
             self.meshes.pop(name, None)
         if self.current == name:

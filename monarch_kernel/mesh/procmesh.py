@@ -479,11 +479,16 @@ class ProcMesh:
         restart_ranks(self, list(ranks), _seconds(timeout, "timeout"))
 
     # --------------------------------------------------------------- closing
-    def detach(self, timeout: float = 5.0) -> None:
+    def detach(self, timeout: float = 5.0, *, shown: bool = False) -> None:
         """Leave a detachable mesh running and close this controller's side: the
         ranks keep their state and go on with what they run, keeping its output,
         until a controller attaches (``monarch_kernel.attach(name)``) or their
         keep-alive passes. This handle is unusable afterwards.
+
+        ``shown``: this controller showed all the output it received; the ranks
+        then drop what they had sent, and the next attach replays only the
+        output printed after the detach. Without it the next attach replays
+        each running request's output from its start.
 
         Raises
         ------
@@ -500,7 +505,7 @@ class ProcMesh:
         live = [r for r, i in ctl.ranks.items() if i.state not in ("dead", "stopped",
                                                                    "starting")]
         try:  # (a reply each: the ranks heard it before this side closes)
-            req = ctl.request(live, "detach") if live else None
+            req = ctl.request(live, "detach", {"shown": shown}) if live else None
             if req is not None:
                 req.wait(timeout)
         except MeshFailure:

@@ -340,6 +340,19 @@ class Detachable:
             self.detached = True
             self.since = time.monotonic()
 
+    def shown(self) -> None:
+        """The controller that detached showed everything sent to it: drop the
+        output kept so far (lock held), so that the next attach replays only
+        what is printed from now on."""
+        for p, e in list(self.journal.items()):
+            if not p:
+                self._forget(p)
+                continue
+            self.total -= e.nbytes
+            e.chunks.clear()
+            e.nbytes = e.dropped = 0
+        self.dropped = 0
+
     def _suspect(self, since: float) -> None:
         """Count the replies sent at or after monotonic time ``since`` as not
         delivered (lock held)."""
@@ -494,6 +507,8 @@ def _on_detach(worker: Any, msg: protocol.Message) -> None:
         with d.lock:  # (the reply leaves before the rank stops sending)
             worker.send("reply", {"status": "ok", "value": None}, msg.id)
             d.lost("it detached", clean=True)
+            if isinstance(msg.content, dict) and msg.content.get("shown"):
+                d.shown()
 
 
 handlers.register_io("detach", _on_detach)

@@ -11,13 +11,31 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
-from test_durable_kernel import cleanup, cli, end_kernel, ok, registry, stream_text  # noqa: F401
+from test_durable_kernel import (
+    LINES,
+    cleanup,
+    cli,
+    end_kernel,
+    lines_of,
+    ok,
+    start_long_cell,
+    stream_text,
+)
 
 from monarch_kernel.testing.kernel import KernelSession, wait_for
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch) -> Iterator[str]:
+    """A registry directory of this test's own (the kernels inherit the variable)."""
+    path = tmp_path / "meshes"
+    monkeypatch.setenv("MONARCH_MESH_REGISTRY", str(path))
+    yield str(path)
 
 SHORT_CELL = """%%mesh
 import time
@@ -132,6 +150,53 @@ def test_replayed_output_folds_like_live_output(registry):
                         per_rank[rk].append(int(n))
             for rk, got in per_rank.items():
                 assert got == list(range(120)), f"rank {rk}: {got}\n{text}"
+        finally:
+            for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
+                with contextlib.suppress(Exception):
+                    ks.shutdown()
+
+
+def test_attach_after_an_interrupted_attach_replays_only_what_was_not_shown(registry):
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    with cleanup(registry, "again"):
+        try:
+            ok(k1.execute("%mesh spawn 4 --name again --detach", timeout=120))
+            start_long_cell(k1, until=5)
+            end_kernel(k1, "sigkill")
+            k2 = KernelSession()
+            msg_id = k2.kc.execute("%mesh attach again")
+            seen: list[dict] = []
+            deadline = time.monotonic() + 60
+            while max(lines_of(stream_text(seen)).get(0) or [0]) < 60:
+                assert time.monotonic() < deadline, stream_text(seen)[-500:]
+                with contextlib.suppress(Exception):
+                    m = k2.kc.get_iopub_msg(timeout=0.2)
+                    if m["parent_header"].get("msg_id") == msg_id:
+                        seen.append(m)
+            k2.interrupt()
+            deadline = time.monotonic() + 30
+            while True:
+                assert time.monotonic() < deadline, "no idle after the interrupt"
+                try:
+                    m = k2.kc.get_iopub_msg(timeout=0.2)
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    continue
+                if m["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                    break
+                seen.append(m)
+            k2.sync_shell()
+            first = lines_of(stream_text(seen))
+            assert "detached again" in stream_text(seen), stream_text(seen)[-800:]
+            r = ok(k2.execute("%mesh attach again", timeout=120))
+            second = lines_of(r.stream())
+            for rank in range(4):
+                a, b = first.get(rank, []), second.get(rank, [])
+                assert not set(a) & set(b), f"rank {rank}: shown again: {sorted(set(a) & set(b))}"
+                assert sorted(a + b) == list(range(LINES)), f"rank {rank}: lines lost"
+            assert "done 0" in r.result_text() + r.stream()
         finally:
             for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
                 with contextlib.suppress(Exception):
