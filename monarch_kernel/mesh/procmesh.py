@@ -726,6 +726,8 @@ def _attach(name: str, *, steal: bool, timeout: float, on_output: Any,
         mesh_keys.introduce(ctl, world)
     except BaseException:
         ctl.close()
+        if isinstance(la, AdoptedLauncher):
+            la.close_guard()
         raise
     rec.controller = {"pid": os.getpid(), "host": socket.gethostname()}
     rec.last_seen = time.time()

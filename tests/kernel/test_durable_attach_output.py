@@ -9,7 +9,11 @@ at the end (helpers of ``test_durable_kernel``).
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -201,3 +205,30 @@ def test_attach_after_an_interrupted_attach_replays_only_what_was_not_shown(regi
             for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
                 with contextlib.suppress(Exception):
                     ks.shutdown()
+
+
+def test_a_killed_attaching_kernel_leaves_no_socket_directory(registry, monkeypatch):
+    base = tempfile.mkdtemp(prefix="mkt-", dir="/tmp")  # (short: socket paths are bounded)
+    monkeypatch.setenv("TMPDIR", base)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    k1 = KernelSession()
+    k2: KernelSession | None = None
+    try:
+        with cleanup(registry, "sock"):
+            try:
+                ok(k1.execute("%mesh spawn 2 --name sock --detach", timeout=120))
+                ok(k1.execute("%mesh detach"))
+                k2 = KernelSession()
+                ok(k2.execute("%mesh attach sock", timeout=120))
+                pid = k2.pid
+                made = glob.glob(os.path.join(base, f"mk-{pid}-*"))
+                assert made, os.listdir(base)
+                end_kernel(k2, "sigkill")
+                wait_for(lambda: not any(os.path.exists(d) for d in made), 10,
+                         what="the killed kernel's socket directory removed")
+            finally:
+                for ks in {id(k): k for k in (k1, k2) if k is not None}.values():
+                    with contextlib.suppress(Exception):
+                        ks.shutdown()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
