@@ -110,8 +110,10 @@ def _meshes(argv: list[str]) -> int:
         return 2
     try:
         stop_mesh(a.name, timeout=a.timeout, force=True)
-    except NoMeshError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except NoMeshError:
+        print(f"error: no mesh named {a.name!r} is running for this user; "
+              "`python -m monarch_kernel meshes list` shows the meshes there are",
+              file=sys.stderr)
         return 1
     except (OSError, MonarchError, TimeoutError) as e:
         print(f"error: could not stop mesh {a.name!r}: {e}", file=sys.stderr)

@@ -223,21 +223,24 @@ COMMANDS: tuple[Command, ...] = (
               arg("--dist", choices=["gloo", "nccl", "none"],
                   default=_default(_SPAWN, "dist") or "none",
                   help="torch.distributed backend set up on every rank"),
-              arg("--launcher", metavar="local|slurm", default=_default(_SPAWN, "launcher"),
+              arg("--name", metavar="mesh", default=None,
+                  help="the notebook variable (and %mesh use name) of the mesh (default: "
+                       "mesh); with --detach also its name in  %mesh list"),
+              arg("--detach", action="store_true",
+                  help="a durable mesh: it outlives this kernel (a restart, a crash) and "
+                       "is found again with  %mesh attach NAME; needs --name"),
+              arg("--keep-alive", metavar="TIME", type=DURATION, default=None,
+                  help="with --detach: how long the ranks wait for a kernel to attach "
+                       "before they end themselves (30s, 10m, 1h, 2d; default 1h)"))),
+        ("", (arg("--launcher", metavar="local|slurm", default=_default(_SPAWN, "launcher"),
                   help="where the ranks run"),
               arg("--bind", metavar="ADDR", default=_default(_SPAWN, "bind"),
                   help="listen on TCP at this address (default for local meshes: Unix "
                        "sockets only your user can reach)"),
-              arg("--name", metavar="mesh", default=None,
-                  help="the notebook variable (and %mesh use name) of the mesh (default: "
-                       "mesh); with --detach also its name in  %mesh list"))),
-        ("", (arg("--restart", choices=list(RESTART_POLICIES), default=_default(_SPAWN, "restart"),
+              arg("--restart", choices=list(RESTART_POLICIES), default=_default(_SPAWN, "restart"),
                   help="replace a rank that dies"),
               arg("--max-restarts", metavar="K", type=COUNT,
-                  default=_default(_SPAWN, "max_restarts"), help="restart budget of the mesh"),
-              arg("--force", action="store_true",
-                  help="start the ranks even if they are far more than this host's CPUs "
-                       "or memory allow"))),
+                  default=_default(_SPAWN, "max_restarts"), help="restart budget of the mesh"))),
         ("", (arg("--heartbeat", metavar="S", type=POSITIVE_SECONDS,
                   default=_default(_SPAWN, "heartbeat"),
                   help="seconds between heartbeats"),
@@ -246,13 +249,10 @@ COMMANDS: tuple[Command, ...] = (
                   help="seconds the ranks may take to start"),
               arg("--telemetry-interval", metavar="S", type=number(seconds=True, zero="off"),
                   default=_default(_SPAWN, "telemetry_interval"),
-                  help="seconds between telemetry samples (0: off)"))),
-        ("", (arg("--detach", action="store_true",
-                  help="a durable mesh: it outlives this kernel (a restart, a crash) and "
-                       "is found again with  %mesh attach NAME; needs --name"),
-              arg("--keep-alive", metavar="TIME", type=DURATION, default=None,
-                  help="with --detach: how long the ranks wait for a kernel to attach "
-                       "before they end themselves (30s, 10m, 1h, 2d; default 1h)"))),
+                  help="seconds between telemetry samples (0: off)"),
+              arg("--force", action="store_true",
+                  help="start the ranks even if they are far more than this host's CPUs "
+                       "or memory allow"))),
         ("Slurm:", (arg("--partition", metavar="P", help="sbatch --partition"),
                     arg("--time", metavar="T", help="sbatch --time"),
                     arg("--account", metavar="A", help="sbatch --account"),

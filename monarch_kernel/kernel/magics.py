@@ -11,6 +11,7 @@ the kernel stays usable.
 from __future__ import annotations
 
 import argparse
+import queue
 import re
 import shlex
 import sys
@@ -151,11 +152,27 @@ def _magic_words(message: str, name: str) -> str:
 
 def _steal_hint(message: str, name: str) -> str:
     """A busy mesh's message in the magic's words (``--steal``, not ``steal=True``)."""
-    text = re.sub(r"steal=True \((%mesh [^)]*)\)", r"\1", message)
+    text = re.sub(r"monarch_kernel\.attach\([^)]*steal=True\) \((%mesh [^)]*)\)", r"\1",
+                  message)
+    text = re.sub(r"steal=True \((%mesh [^)]*)\)", r"\1", text)
     text = text.replace("steal=True", f"%mesh attach {name} --steal")
     if "--steal" not in text:
         text += f"; take it over with  %mesh attach {name} --steal"
     return text
+
+
+def _attach_hint() -> str:
+    """How to drive a durable mesh again: ``"; or ... %mesh attach train"`` naming the
+    live durable meshes of this user (at most three), or ``%mesh attach NAME``."""
+    try:
+        names = sorted(r.name for r in mesh_registry.records() if mesh_registry.alive(r))
+    except (OSError, MonarchError):
+        names = []
+    if not names:
+        return "; a durable mesh is driven again with  %mesh attach NAME  (%mesh list)"
+    shown = ", ".join(f" %mesh attach {n} " for n in names[:3])
+    more = " (%mesh list shows all)" if len(names) > 3 else ""
+    return f"; or drive a durable mesh of yours again: {shown}{more}"
 
 
 def _still_running(r: Any) -> bool:
@@ -209,10 +226,15 @@ class MeshMagics(Magics):
             if "taken over" in lost:
                 raise UsageError(f"{lost.split('; ')[0]}: this kernel lost it;  %mesh attach "
                                  f"{name} --steal  takes it back")
+            if "was stopped by" in lost:  # (python -m monarch_kernel meshes stop, stop_mesh)
+                raise UsageError(f"{lost.split(', from outside')[0]}, from outside this "
+                                 f"kernel; start a new one with  %mesh spawn 4 --name {name} "
+                                 "--detach")
             raise UsageError(f"mesh {name!r}: {lost}")
         if m is None or m.root._stopped:
             raise UsageError("no mesh is running; start one first with  %mesh spawn 4  (or "
-                             "%mesh use NAME for a mesh made with spawn_procs in a cell)")
+                             "%mesh use NAME for a mesh made with spawn_procs in a cell)"
+                             + _attach_hint())
         return m
 
     def forget(self, name: str, m: ProcMesh) -> None:
@@ -334,16 +356,18 @@ class MeshMagics(Magics):
             print(f"stopping the previous mesh {name!r} ({human_shape(old.shape.dims)})")
             old.stop()
         durable: dict[str, Any] = {}
-        if a.detach:
-            durable = {"name": name, "detach": True, "keep_alive": a.keep_alive}
+        if a.detach:  # (get-or-spawn here: one line says so, the kernel's)
+            durable = {"name": name, "detach": True, "keep_alive": a.keep_alive,
+                       "attach_existing": False}
         t0 = time.monotonic()
         try:
-            m = spawn_procs(dims, dist=a.dist, launcher=launcher, bind=a.bind,
-                            restart=a.restart, max_restarts=a.max_restarts,
-                            heartbeat=a.heartbeat, timeout=a.timeout,
-                            telemetry_interval=a.telemetry_interval, force=a.force,
-                            on_output=BackgroundOutput(),  # (broadcasts, background threads)
-                            **durable)
+            found = self._running(name, a.timeout) if a.detach else None
+            m = found if found is not None else spawn_procs(
+                dims, dist=a.dist, launcher=launcher, bind=a.bind, restart=a.restart,
+                max_restarts=a.max_restarts, heartbeat=a.heartbeat, timeout=a.timeout,
+                telemetry_interval=a.telemetry_interval, force=a.force,
+                on_output=BackgroundOutput(),  # (broadcasts, background threads)
+                **durable)
         except ValueError as e:
             raise UsageError(f"%mesh spawn: {e}") from None
         except MeshBusyError as e:
@@ -475,6 +499,7 @@ class MeshMagics(Magics):
         except KeyboardInterrupt:
             if not self.shutting_down.is_set():  # (a kernel going away says nothing here)
                 self._detach(name, m)
+                self._show_rest(reqs)  # (the ranks count it shown: not replayed again)
                 print(f"interrupted: the ranks keep running; mesh {name!r} is detached again "
                       f"(%mesh attach {name} to follow it again)", file=sys.stderr)
             return None
@@ -504,6 +529,7 @@ class MeshMagics(Magics):
         self.running_cell = (m.root, req, self._last_cell[0])  # (the sidebar: "running")
         try:
             self._debug_console.serve()  # (ranks of it paused in pdb while detached)
+            self._replay(req, printer)
             self._pump(req, printer, time.monotonic(), None, None)
         finally:
             self.running_cell = None
@@ -513,9 +539,75 @@ class MeshMagics(Magics):
                 self._rank_display = None
         finish_cell(m, req, lambda text: write_stream("stderr", text))
 
+    @staticmethod
+    def _running(name: str, timeout: float | None) -> ProcMesh | None:
+        """Durable mesh ``name`` of this user attached, if one is alive, else None.
+
+        Raises
+        ------
+        MeshBusyError
+            If another live controller holds it.
+        """
+        rec = mesh_registry.load(name)
+        if rec is None or not mesh_registry.alive(rec):
+            return None
+        try:
+            m = mk.attach(name, timeout=timeout if timeout is not None else 30.0,
+                          on_output=BackgroundOutput())
+        except NoMeshError:  # (it ended just now)
+            return None
+        m.attached_existing = True
+        return m
+
+    @staticmethod
+    def _show_rest(reqs: list[Request]) -> None:
+        """Show the output of ``reqs`` that reached this kernel but was not shown yet."""
+        printer = RankPrinter(write_stream)
+        for req in reqs:
+            while True:
+                try:
+                    ev = req.events.get_nowait()
+                except queue.Empty:
+                    break
+                if ev[0] == "stream":
+                    printer.feed(ev[1], ev[2], ev[3])
+        printer.close()
+
+    def _replay(self, req: Request, printer: RankPrinter) -> None:
+        """Show the events already queued for resumed request ``req`` (the output
+        the ranks kept, which came rank by rank) as live output comes: chunk
+        ``i`` of every rank, ranks in order, then chunk ``i + 1``, so the printer
+        folds identical lines of several ranks. Stops at the first event other
+        than output (shown after the output before it), leaving the rest to
+        :meth:`_pump`."""
+        per_rank: dict[int, list[tuple]] = {}
+        other = None
+        while True:
+            try:
+                ev = req.events.get_nowait()
+            except queue.Empty:
+                break
+            if ev[0] != "stream":
+                other = ev
+                break
+            per_rank.setdefault(ev[1], []).append(ev)
+        if per_rank:
+            streams = [per_rank[r] for r in sorted(per_rank)]
+            for i in range(max(map(len, streams))):
+                for evs in streams:
+                    if i < len(evs):
+                        self.show_event(evs[i], printer)
+            printer.flush_lines()
+        if other is not None:
+            if other[0] == "done":
+                req.events.put(other)  # (the end: for _pump, after everything)
+            else:
+                self.show_event(other, printer)
+
     def _detach(self, name: str, m: ProcMesh) -> None:
-        """Let go of durable mesh ``name``: its ranks keep running."""
-        m.detach()
+        """Let go of durable mesh ``name``: its ranks keep running; what they sent
+        so far was shown here (not replayed at the next attach)."""
+        m.detach(shown=True)
         if self.meshes.get(name) is m:
             self.meshes.pop(name, None)
         if self.current == name:

@@ -282,7 +282,9 @@ class LocalLauncher(Launcher):
 class AdoptedLauncher(Launcher):
     """The launcher of a local mesh this process attached to (its workers are
     not its children): it knows their pids, signals them, sees them exit and
-    stops them; their guardian (the mesh's own) cleans up after them.
+    stops them; their guardian (the mesh's own) cleans up after them. A
+    guardian of this process's own (watching no worker) removes the
+    controller's private socket directory should this process be killed.
 
     Parameters
     ----------
@@ -298,7 +300,26 @@ class AdoptedLauncher(Launcher):
         self.host = socket.gethostname()
         self._reported: set[int] = set()
         self._lock = threading.Lock()
-        self.guard = None
+        self.guard: Guardian | None = None
+
+    def attach(self, controller: object) -> None:
+        """Remember the controller; its private directory for Unix sockets (if it
+        has one) is removed by a guardian of this process's should it be killed."""
+        super().attach(controller)
+        ipc_dir = getattr(controller, "ipc_dir", None)
+        if isinstance(ipc_dir, str):
+            self.guard = Guardian()
+            self.guard.remove_on_exit(ipc_dir)
+            try:
+                self.guard.ensure()
+            except OSError:  # (the directory is then swept by a later process)
+                self.guard = None
+
+    def close_guard(self) -> None:
+        """Stop this process's guardian (the controller removed its directory)."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.close()
 
     def launch(self, spec: LaunchSpec) -> None:
         raise NotImplementedError("the ranks of an attached mesh cannot be started again "
@@ -326,12 +347,23 @@ class AdoptedLauncher(Launcher):
                     pass
 
     def release(self) -> None:
-        """Nothing to let go of (the workers are not this process's)."""
+        """Let go of the workers (not this process's); this process's guardian ends."""
         with self._lock:
             self._reported.update(self.pids)
+        self.close_guard()
 
     def stop(self, ranks: list[int] | None = None, timeout: float = 5.0) -> None:
-        pids = [p for r, p in self.pids.items() if ranks is None or r in ranks]
+        try:
+            self._end([p for r, p in self.pids.items() if ranks is None or r in ranks],
+                      timeout)
+        finally:
+            if ranks is None:
+                self.close_guard()
+
+    @staticmethod
+    def _end(pids: list[int], timeout: float) -> None:
+        """End processes ``pids`` (the stop request sent first): waits ``timeout``
+        seconds, then SIGTERM, then SIGKILL."""
         deadline = time.monotonic() + timeout
         for sig, wait in ((None, timeout), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
             left = [p for p in pids if _running(p)]

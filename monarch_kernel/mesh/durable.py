@@ -135,12 +135,13 @@ def mesh_dir() -> str:
 
 
 def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float,
-                 holder_gone: dict[str, Any] | None = None) -> None:
+                 holder_gone: dict[str, Any] | None = None, stop: bool = False) -> None:
     """Hand every rank of ``rec`` over to ``ctl`` (steps 2-3 of the module docstring;
     ``ctl`` has :meth:`Controller.expect`-ed them and listens for their hellos).
     ``holder_gone``: the controller (``{"pid", "host"}``) this side saw is gone;
     a rank that still counts it as its holder (a rank on another host, which
     cannot look, within its heartbeat timeout) lets go of it at once.
+    ``stop``: the ranks are taken over only to be stopped (a holder is told so).
 
     Raises
     ------
@@ -177,7 +178,7 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float,
                        "ctl_epoch": ctl.codec.epoch, "floor": floor,
                        "rank_epoch": ctl.ranks[r].epoch, "steal": steal,
                        "pid": os.getpid(), "host": socket.gethostname(), "t": time.time(),
-                       "holder_gone": holder_gone}
+                       "holder_gone": holder_gone, "stop": stop}
             s.send_multipart(codec.encode("attach", content), copy=False)
         answers: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
@@ -203,8 +204,9 @@ def attach_ranks(ctl: Controller, rec: MeshRecord, steal: bool, timeout: float,
         holder = busy[0].get("holder") or {}
         err = MeshBusyError(
             f"mesh {rec.name!r} is attached to another controller (pid {holder.get('pid')} "
-            f"on host {holder.get('host')}); attach with steal=True (%mesh attach "
-            f"{rec.name} --steal) to take it over, or detach it there first")
+            f"on host {holder.get('host')}); take it over with monarch_kernel.attach("
+            f"{rec.name!r}, steal=True) (%mesh attach {rec.name} --steal), or detach it "
+            "there first")
         err.holder_pid, err.holder_host = holder.get("pid"), holder.get("host")
         raise err
     bad = {r: a for r, a in answers.items() if not a.get("ok")}

@@ -482,11 +482,16 @@ class ProcMesh:
         restart_ranks(self, list(ranks), _seconds(timeout, "timeout"))
 
     # --------------------------------------------------------------- closing
-    def detach(self, timeout: float = 5.0) -> None:
+    def detach(self, timeout: float = 5.0, *, shown: bool = False) -> None:
         """Leave a detachable mesh running and close this controller's side: the
         ranks keep their state and go on with what they run, keeping its output,
         until a controller attaches (``monarch_kernel.attach(name)``) or their
         keep-alive passes. This handle is unusable afterwards.
+
+        ``shown``: this controller showed all the output it received; the ranks
+        then drop what they had sent, and the next attach replays only the
+        output printed after the detach. Without it the next attach replays
+        each running request's output from its start.
 
         Raises
         ------
@@ -504,7 +509,7 @@ class ProcMesh:
                                                                    "starting")]
         told = time.time()  # (the ranks' keep-alive starts after this)
         try:  # (a reply each: the ranks heard it before this side closes)
-            req = ctl.request(live, "detach") if live else None
+            req = ctl.request(live, "detach", {"shown": shown}) if live else None
             if req is not None:
                 req.wait(timeout)
         except MeshFailure:
@@ -520,14 +525,20 @@ class ProcMesh:
         durable.mark_detached(root.record, at=told)
         _live.discard(root)
 
-    def _taken_over(self, pid: Any, host: Any) -> None:
-        """The ranks were taken over by another controller (steal): this handle is done."""
+    def _taken_over(self, pid: Any, host: Any, stopped: bool = False) -> None:
+        """The ranks were taken over by another controller (steal), or by one that
+        stops the mesh (``stopped``): this handle is done."""
         root = self.root
         if root._gone is not None:
             return
-        root._gone = (f"mesh {root.name!r} was taken over by pid {pid} on host {host}; "
-                      f"attach again with monarch_kernel.attach({root.name!r}, steal=True) "
-                      "to take it back")
+        if stopped:
+            root._gone = (f"mesh {root.name!r} was stopped by pid {pid} on host {host}, "
+                          "from outside this process; its ranks are gone: spawn a new mesh "
+                          "to go on")
+        else:
+            root._gone = (f"mesh {root.name!r} was taken over by pid {pid} on host {host}; "
+                          f"attach again with monarch_kernel.attach({root.name!r}, "
+                          "steal=True) to take it back")
         root.controller.fail_pending(root._gone)
         _live.discard(root)
 
@@ -657,6 +668,16 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
     MeshError, TimeoutError
         If the ranks cannot be reached.
     """
+    try:
+        return _attach(name, steal=steal, timeout=timeout, on_output=on_output)
+    except MeshError as e:  # (raised here: the user's frames only, not ours)
+        raise e.with_traceback(None) from None
+
+
+def _attach(name: str, *, steal: bool, timeout: float, on_output: Any,
+            stop: bool = False) -> ProcMesh:
+    """:func:`attach`; ``stop``: the ranks are taken over only to be stopped (a
+    controller that holds them is told so)."""
     rec = registry.load(name) if registry.valid_name(name) else None
     if rec is None or not registry.alive(rec):
         if rec is not None:
@@ -688,7 +709,7 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
         la.attach(ctl)
         gone = rec.controller if rec.controller and not registry.controller_alive(rec) \
             else None
-        durable.attach_ranks(ctl, rec, steal, timeout, holder_gone=gone)
+        durable.attach_ranks(ctl, rec, steal, timeout, holder_gone=gone, stop=stop)
         ctl.wait_ready(world, timeout)
         states.wait(world, timeout)
         pids = {r: int(i.pid) for r, i in ctl.ranks.items() if i.pid}
@@ -711,6 +732,8 @@ def attach(name: str, *, steal: bool = False, timeout: float = 30.0,
         mesh_keys.introduce(ctl, world)
     except BaseException:
         ctl.close()
+        if isinstance(la, AdoptedLauncher):
+            la.close_guard()
         raise
     rec.controller = {"pid": os.getpid(), "host": socket.gethostname()}
     rec.last_seen = time.time()
@@ -748,7 +771,7 @@ def stop_mesh(name: str, timeout: float = 10.0, force: bool = False) -> None:
         _remove_traces(rec, timeout)
         return
     try:
-        mesh = attach(name, steal=force, timeout=timeout)
+        mesh = _attach(name, steal=force, timeout=timeout, on_output=None, stop=True)
     except MeshBusyError as e:
         err = MeshBusyError(f"mesh {name!r} is attached to another controller (pid "
                             f"{e.holder_pid} on host {e.holder_host}); stop it there, or "
@@ -767,7 +790,7 @@ def _watch_take_over(mesh: ProcMesh) -> None:
         if m is None or not isinstance(payload, dict):
             return
         if kind == "event" and payload.get("kind") == "taken_over":
-            m._taken_over(payload.get("pid"), payload.get("host"))
+            m._taken_over(payload.get("pid"), payload.get("host"), bool(payload.get("stop")))
         elif kind == "hello" and m.record is not None and payload.get("pid"):
             rec = m.record  # a restarted rank: the record names its new process
             if rec.pids.get(rank) != payload["pid"]:

@@ -198,6 +198,7 @@ class Attach(TypedDict):
     host: str  # ... and host
     t: float  # epoch seconds; an attach no newer than the last one accepted is refused
     holder_gone: dict[str, Any] | None  # {pid, host}: a holder the controller saw is gone
+    stop: bool  # it takes the rank over only to stop the mesh (the old holder is told so)
 
 
 class Failure(TypedDict):

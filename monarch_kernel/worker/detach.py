@@ -16,7 +16,8 @@ from an ordinary one in four ways:
   request while the request runs, and after it finished until a controller
   had its reply: a controller that was killed may never have shown its
   last messages, so a new one replays each unfinished request's output from
-  its start; output of no request (a background thread's) is kept while
+  its start (and a finished one's whose reply went to a controller that was
+  killed before it sent anything else); output of no request (a background thread's) is kept while
   detached, and shown as background output at attach. All of it is bounded
   by ``MONARCH_DETACH_OUTPUT_BYTES`` bytes (default 8 MiB) per rank: beyond
   that the oldest output goes first and the dropped bytes are counted (per
@@ -123,6 +124,7 @@ class _Entry:
     dropped: int = 0
     reply: dict[str, Any] | None = None  # its reply content, once it finished
     delivered: bool = False  # its reply went to the controller attached then
+    delivered_at: float = 0.0  # monotonic time its reply was sent
 
 
 def _holder_alive(holder: dict[str, Any] | None) -> bool:
@@ -179,6 +181,9 @@ class Detachable:
         self.dropped = 0  # bytes dropped in all since the last attach
         #: the controller that holds the rank: {"pid": int, "host": str}
         self.holder: dict[str, Any] | None = None
+        #: monotonic time of the controller's last message other than a heartbeat
+        #: (set by the worker's I/O): it was alive, and went on, after that
+        self.ordered = 0.0
         self._last_attach = 0.0  # the newest accepted attach's timestamp (epoch s)
         # verifies attach messages: their controllers' epochs are new to this worker
         self.codec = protocol.Codec(worker.codec.key, f"r{worker.rank}")
@@ -299,10 +304,10 @@ class Detachable:
         e = self.journal.get(parent)
         if e is None:
             return
-        if not e.chunks:  # (nothing to show again: only the reply, which is small)
-            self._forget(parent)
-            return
         e.delivered = True
+        e.delivered_at = time.monotonic()
+        if not e.chunks:  # (only the reply: kept a while, see _suspect and beat)
+            return
         self.delivered.append(parent)
         while len(self.delivered) > MAX_DELIVERED:
             old = self.delivered.popleft()
@@ -329,6 +334,10 @@ class Detachable:
         """Every heartbeat (the thread that leads): a heartbeat to the controller,
         or, detached, the keep-alive check; a controller on this host whose pid
         is gone detaches the worker at once."""
+        if not self.detached:  # replies without output the controller outlived: not kept
+            for p in [p for p, e in self.journal.items()
+                      if p and e.delivered and not e.chunks and e.delivered_at < self.ordered]:
+                self._forget(p)
         if self.detached:
             gone = time.monotonic() - self.since
             if gone > self.keep_alive:
@@ -344,17 +353,44 @@ class Detachable:
         except Exception:  # noqa: BLE001 - the connection is changing
             log.debug("heartbeat not sent", exc_info=True)
 
-    def lost(self, why: str) -> None:
-        """The controller is gone (or said ``detach``): keep running, detached."""
+    def lost(self, why: str, clean: bool = False) -> None:
+        """The controller is gone (or said ``detach``: ``clean``): keep running,
+        detached. A controller that went away unannounced (killed) may never
+        have read, let alone shown, the replies sent to it after the last
+        message it sent other than a heartbeat (:attr:`ordered`): those count
+        as not delivered (:meth:`_suspect`), so the next controller is given
+        them, with their output."""
         with self.lock:
             if self.detached:
                 return
+            if not clean:
+                self._suspect(self.ordered)
             log.info("rank %d: the controller left (%s); detached, waiting %.0f s for "
                      "another", self.w.rank, why, self.keep_alive)
             # (the connections stay until a controller takes over: a reply just sent
             # to a controller that detached on purpose still leaves)
             self.detached = True
             self.since = time.monotonic()
+
+    def shown(self) -> None:
+        """The controller that detached showed everything sent to it: drop the
+        output kept so far (lock held), so that the next attach replays only
+        what is printed from now on."""
+        for p, e in list(self.journal.items()):
+            if not p:
+                self._forget(p)
+                continue
+            self.total -= e.nbytes
+            e.chunks.clear()
+            e.nbytes = e.dropped = 0
+        self.dropped = 0
+
+    def _suspect(self, since: float) -> None:
+        """Count the replies sent at or after monotonic time ``since`` as not
+        delivered (lock held)."""
+        for p, e in self.journal.items():
+            if p and e.delivered and e.delivered_at >= since:
+                e.delivered = False
 
     def _disconnect(self) -> None:
         w = self.w
@@ -406,7 +442,8 @@ class Detachable:
             if held:  # taken over: the old controller is told, then left
                 try:
                     w.send_encoded(w.codec.encode("event", {
-                        "kind": "taken_over", "pid": c["pid"], "host": c["host"]}))
+                        "kind": "taken_over", "pid": c["pid"], "host": c["host"],
+                        "stop": bool(c.get("stop"))}))
                 except Exception:  # noqa: BLE001 - it learns anyway: its rank is silent
                     log.debug("could not tell the old controller", exc_info=True)
             self._last_attach = t
@@ -509,7 +546,9 @@ def _on_detach(worker: Any, msg: protocol.Message) -> None:
     if d is not None:
         with d.lock:  # (the reply leaves before the rank stops sending)
             worker.send("reply", {"status": "ok", "value": None}, msg.id)
-            d.lost("it detached")
+            d.lost("it detached", clean=True)
+            if isinstance(msg.content, dict) and msg.content.get("shown"):
+                d.shown()
 
 
 handlers.register_io("detach", _on_detach)

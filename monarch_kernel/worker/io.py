@@ -289,6 +289,8 @@ class WorkerIO:
                 self.drops.drop(getattr(e, "reason", "malformed"), str(e), b"controller")
                 continue
             self.last_heard = time.monotonic()
+            if host.detach is not None and msg.type != "heartbeat":
+                host.detach.ordered = self.last_heard  # (see Detachable.lost)
             try:
                 host.dispatch(msg)
             except Exception:
