@@ -107,6 +107,9 @@ class Launcher(abc.ABC):
     name: str = ""
     #: True when workers run on this host as child processes
     local: bool = False
+    #: False when :meth:`launch` cannot start ranks again (a mesh attached to, whose
+    #: processes another controller started): restarts are refused before any rank ends
+    can_relaunch: bool = True
 
     @abc.abstractmethod
     def launch(self, spec: LaunchSpec) -> None:

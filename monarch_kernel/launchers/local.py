@@ -295,6 +295,8 @@ class AdoptedLauncher(Launcher):
     name = "local"
     local = True
 
+    can_relaunch = False
+
     def __init__(self, pids: dict[int, int]) -> None:
         self.pids = dict(pids)
         self.host = socket.gethostname()

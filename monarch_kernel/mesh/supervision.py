@@ -57,7 +57,9 @@ def restart_ranks(mesh: ProcMesh, ranks: list[int], timeout: float = 120.0) -> N
     Raises
     ------
     MeshError
-        If the mesh was stopped or a rank is not part of it.
+        If the mesh was stopped, a rank is not part of it, or the mesh was
+        attached to (its processes were started by another controller, which
+        this one cannot do again); nothing is ended then.
     MeshFailure
         If a new worker dies while starting.
     TimeoutError
@@ -70,6 +72,10 @@ def restart_ranks(mesh: ProcMesh, ranks: list[int], timeout: float = 120.0) -> N
         if r not in root.controller.ranks:
             raise MeshError(f"rank {r} is not part of this mesh (ranks 0 to "
                             f"{len(root.shape) - 1})")
+    if not root.launcher.can_relaunch:
+        raise MeshError(f"mesh {root.name!r} was attached to, not spawned here: its ranks "
+                        "cannot be restarted from this controller; stop it and spawn it "
+                        "again to get fresh ranks")
     root.ready.clear()
     try:
         _relaunch(root, ranks, timeout)

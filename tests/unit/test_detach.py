@@ -356,6 +356,10 @@ def test_same_process_detach_attach_and_stop(reg):
         m.detach()
         m2 = mk.attach(name, timeout=10)
         assert list(m2.exec("v").values()) == [100, 101]
+        with pytest.raises(mk.MeshError, match="cannot be restarted"):
+            m2.restart([0])  # (refused before any rank ends)
+        assert dict(m2.record.pids) == info["pids"]
+        assert list(m2.exec("v").values()) == [100, 101]
         m2.detach()
         m3 = mk.spawn_procs(2, name=name, detach=True)  # get-or-spawn, same process
         assert m3.attached_existing
