@@ -59,6 +59,8 @@ if mode != "idle":
     mark = os.environ.get("DETACH_TEST_MARK", "")
     short = int(os.environ.get("DETACH_TEST_SHORT", str(lines)))  # (rank 3's lines)
     m.run("import os, time\n"
+          f"if {mark!r}:\n"
+          f"    open(os.path.join({mark!r}, f'started{{rank}}'), 'w').close()\n"
           f"time.sleep({delay})\n"
           f"for i in range({lines} if rank != 3 else {short}):\n"
           "    print(f'r{rank} line {i} ' + 'x' * 40, flush=True)\n"
@@ -328,8 +330,11 @@ def test_request_finished_while_detached(reg, tmp_path):
     env = {"DETACH_TEST_DELAY": "1.0", "DETACH_TEST_MARK": str(marks)}
     with child(name, "kill", lines=10, env=env) as c:
         c.read_until("STARTED")
+        # (the request reached every rank before the kill: a send still queued in the
+        # killed process would never arrive)
+        _wait(lambda: len(list(marks.glob("started*"))) == 4, 30, "the ranks to start")
         c.kill()  # (within the request's first second: no rank has finished)
-        _wait(lambda: len(list(marks.iterdir())) == 4, 30, "the ranks to finish")
+        _wait(lambda: len(list(marks.glob("done*"))) == 4, 30, "the ranks to finish")
         time.sleep(0.2)  # (their replies are kept just after the marks)
         m = mk.attach(name)
         try:
