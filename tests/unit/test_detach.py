@@ -589,6 +589,7 @@ for i in range(12):
           f"while not os.path.exists({mark!r}): time.sleep(0.02)\n"
           f"if {i} == 11: open({mark!r} + f'.done{{rank}}', 'w').close()\n"
           f"{i}")
+time.sleep(1.0)  # (the requests leave this process before the test kills it)
 print("STARTED", flush=True)
 time.sleep(600)
 """
