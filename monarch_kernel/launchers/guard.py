@@ -119,7 +119,9 @@ def _members(ids: set[int]) -> list[tuple[int, int, int]] | None:
 
 
 def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not): the
+    test of :func:`monarch_kernel.util.procs.running`, repeated here because this
+    file runs as a script (``python -I -S``) that cannot import the package."""
     if pid < 1:
         return False
     try:
@@ -324,16 +326,21 @@ class _Watch:
                     self.ended.add(self.fds.pop(fd))
             if polling and self.controller_gone():  # no pidfd: look every 0.1 s
                 return self.controller_ended()
-            for pid in list(self.polled):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    self.polled.discard(pid)
-                    self.ended.add(pid)
-            if self.ended:
-                self.end_groups()
-            if self.pending:
-                self.due()
+            self.workers_step()
+
+    def workers_step(self) -> None:
+        """Note workers (watched without a pidfd) that ended, end what is left of
+        the groups of every ended worker, and run the kill commands that are due."""
+        for pid in list(self.polled):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                self.polled.discard(pid)
+                self.ended.add(pid)
+        if self.ended:
+            self.end_groups()
+        if self.pending:
+            self.due()
 
     def run_detached(self) -> None:
         """Watch the workers until none is left, the controller's end or not."""
@@ -351,16 +358,7 @@ class _Watch:
                     self.poll.unregister(fd)
                     os.close(fd)
                     self.ended.add(self.fds.pop(fd))
-            for pid in list(self.polled):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    self.polled.discard(pid)
-                    self.ended.add(pid)
-            if self.ended:
-                self.end_groups()
-            if self.pending:
-                self.due()
+            self.workers_step()
             if self.jobs:
                 self.check_jobs()
             if self.files and time.monotonic() >= self.records_due:
